@@ -1,0 +1,1 @@
+"""Triton kernels, each next to its plain-torch reference. Imported as ``inkfw.kernels``."""
