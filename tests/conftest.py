@@ -9,6 +9,7 @@ import torch
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from inkfw.config import InklingConfig, MtpConfig  # noqa: E402
 from inkfw.models.inkling.layers import DenseMLP, MoE, RelativeBias, RMSNorm, Router, ShortConv  # noqa: E402

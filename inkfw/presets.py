@@ -1,0 +1,80 @@
+"""Turn a ``conf/model/*.yaml`` node into an :class:`InklingConfig` or a ready model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from inkfw.checkpoint import load_model
+from inkfw.config import InklingConfig, MtpConfig
+from inkfw.errors import ConfigError
+from inkfw.models.inkling.model import EmbedSource, InklingLM
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def _plain(node: Any) -> Any:
+    try:
+        from omegaconf import OmegaConf
+
+        if OmegaConf.is_config(node):
+            return OmegaConf.to_container(node, resolve=True)
+    except ImportError:  # pragma: no cover
+        pass
+    return node
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}.")
+    return DTYPES[name]
+
+
+def resolve_path(path: str | Path) -> Path:
+    """Relative checkpoint paths are taken from the project root when not found where we run."""
+    p = Path(path).expanduser()
+    if not p.is_absolute() and not p.exists():
+        candidate = Path(__file__).resolve().parent.parent / p
+        if candidate.exists():
+            return candidate
+    return p
+
+
+def model_config(model_node: Any) -> InklingConfig:
+    """Sizes from ``sizes`` (random-init presets) or from ``path``/config.json (real checkpoints)."""
+    node = _plain(model_node)
+    if node.get("path"):
+        return InklingConfig.from_json(resolve_path(node["path"]) / "config.json")
+    sizes = dict(node.get("sizes") or {})
+    if not sizes:
+        raise ConfigError(f"model preset {node.get('name')!r} has neither a path nor sizes.")
+    mtp = MtpConfig(**(sizes.pop("mtp", None) or {}))
+    try:
+        return InklingConfig(**sizes, mtp=mtp)
+    except TypeError as exc:
+        raise ConfigError(f"model preset {node.get('name')!r}: {exc}.") from exc
+
+
+def build_model(model_node: Any, mtp_depths: int | None = None, dtype: str | torch.dtype = "float32",
+                device: str | torch.device = "cpu", embed_source: EmbedSource = "backbone_norm") -> InklingLM:
+    """A checkpoint's model (``path``) or a seeded random-init preset (``sizes``)."""
+    node = _plain(model_node)
+    dtype = parse_dtype(dtype)
+    if node.get("path"):
+        model, _ = load_model(resolve_path(node["path"]), mtp_depths=mtp_depths, dtype=dtype, device=device,
+                              embed_source=embed_source)
+        return model
+    cfg = model_config(node)
+    shipped = cfg.mtp.num_nextn_predict_layers
+    depths = shipped if mtp_depths is None else int(mtp_depths)
+    if depths > shipped:
+        raise ConfigError(f"mtp.depths={depths} but preset {node.get('name')!r} has {shipped} MTP depth(s).")
+    torch.manual_seed(int(node.get("init_seed", 0)))
+    model = InklingLM(cfg, mtp_depths=depths, embed_source=embed_source)
+    model.init_weights()
+    return model.to(device).to_dtype(dtype).eval()

@@ -1,0 +1,16 @@
+"""Print total and active parameter counts of a model preset, built on the meta device."""
+
+import hydra
+from omegaconf import DictConfig
+
+from inkfw.cli import run_user_command
+from inkfw.params import report_parameters
+
+
+@hydra.main(config_path="../conf", config_name="count_params", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    run_user_command(report_parameters, cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,16 @@
+"""Model smoke run: cached greedy decoding checked against an uncached forward, plus MTP drafts."""
+
+import hydra
+from omegaconf import DictConfig
+
+from inkfw.cli import run_user_command
+from inkfw.smoke import smoke_run
+
+
+@hydra.main(config_path="../conf", config_name="smoke", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    run_user_command(smoke_run, cfg)
+
+
+if __name__ == "__main__":
+    main()
