@@ -243,6 +243,8 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     if index.is_file():
         try:
             entries = json.loads(index.read_text())["weight_map"]
+            if not isinstance(entries, dict) or not all(isinstance(v, str) for v in entries.values()):
+                raise TypeError("weight_map must map tensor names to file names")
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{index}: not a valid safetensors index ({exc}).") from exc
         listed: dict[Path, set[str]] = {}
@@ -327,14 +329,19 @@ def load_model(path: str | Path, mtp_depths: int | None = None, dtype: torch.dty
 
 
 # --------------------------------------------------------------------------- writing
+FP32_TENSORS = re.compile(r"(sconv\.weight|router\.score_bias|router\.global_scale)$")
+
+
 def release_tensors(model: InklingLM, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model's tensors under release-layout names."""
+    """The model's tensors under release-layout names; ``dtype`` casts all but the short convs
+    and the router's bias and scale, which stay fp32 (as HF transformers keeps them)."""
     state = dict(model.named_parameters())
     state.update(model.named_buffers())
     for m in tensor_maps(model.cfg, model.num_mtp_depths, "release"):
         t = state[m.param].detach()
+        cast = dtype if dtype is not None and not FP32_TENSORS.search(m.param) else None
         for name, out in zip(m.sources, to_checkpoint(m, t)):
-            out = out.to(dtype) if dtype is not None and out.is_floating_point() else out
+            out = out.to(cast) if cast is not None and out.is_floating_point() else out
             yield name, out.contiguous().cpu()
 
 

@@ -24,6 +24,9 @@ from typing import Any
 from inkfw.errors import ConfigError
 
 MODEL_TYPES = ("inkling_mm_model", "inkling_model", "inkling_text")
+TEXT_ONLY_VISION_CONFIG = {"model_type": "inkling_vision", "hidden_size": 16, "n_layers": 2,
+                           "num_attention_heads": 2, "patch_size": 4, "temporal_patch_size": 2}
+TEXT_ONLY_AUDIO_CONFIG = {"model_type": "inkling_audio", "n_mel_bins": 4, "mel_vocab_size": 8}
 
 
 @dataclass
@@ -143,6 +146,17 @@ class InklingConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config") -> InklingConfig:
         """Read any supported ``config.json`` dialect (see module docstring)."""
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}.")
+        try:
+            return cls._from_dict(raw, source)
+        except ConfigError:
+            raise
+        except (TypeError, ValueError, AttributeError, KeyError) as exc:
+            raise ConfigError(f"{source}: malformed model config ({type(exc).__name__}: {exc}).") from exc
+
+    @classmethod
+    def _from_dict(cls, raw: dict[str, Any], source: str) -> InklingConfig:
         model_type = raw.get("model_type")
         if model_type not in MODEL_TYPES:
             raise ConfigError(
@@ -155,6 +169,8 @@ class InklingConfig:
         else:
             text = raw
         mtp_raw = raw.get("mtp_config") or {}
+        if not isinstance(mtp_raw, dict):
+            raise ConfigError(f"{source}: mtp_config must be an object.")
         mtp = MtpConfig(
             num_nextn_predict_layers=int(
                 mtp_raw.get("num_nextn_predict_layers", text.get("num_mtp_layers") or 0) or 0),
@@ -170,6 +186,9 @@ class InklingConfig:
         num_layers = int(t.get("num_hidden_layers", t.get("num_layers", 66)))
         # which layers use sliding-window attention
         local_ids = t.get("local_layer_ids")
+        for key in ("layer_types", "mlp_layer_types"):
+            if t.get(key) is not None and (not isinstance(t[key], list) or len(t[key]) != num_layers):
+                raise ConfigError(f"{source}: {key} must be a list of num_hidden_layers={num_layers} entries.")
         if local_ids is None and t.get("layer_types") is not None:
             local_ids = [i for i, kind in enumerate(t["layer_types"]) if kind == "hybrid_sliding"]
         # which layers are dense: a prefix, as dense_mlp_idx or as mlp_layer_types
@@ -221,8 +240,8 @@ class InklingConfig:
                 logits_mup_width_multiplier=float(get("logits_mup_width_multiplier", default=24.0)),
                 use_embed_norm=bool(get("use_embed_norm", default=True)),
                 max_position_embeddings=int(get("max_position_embeddings", "model_max_length", default=131072)),
-                bos_token_id=get("bos_token_id", default=None),
-                eos_token_id=get("eos_token_id", default=None),
+                bos_token_id=t.get("bos_token_id", 1),
+                eos_token_id=t.get("eos_token_id", 2),
                 pad_token_id=get("pad_token_id", default=None),
                 mtp=mtp,
             )
@@ -272,6 +291,7 @@ class InklingConfig:
             "rms_norm_eps": self.rms_norm_eps,
             "logits_mup_width_multiplier": self.logits_mup_width_multiplier,
             "max_position_embeddings": self.max_position_embeddings,
+            "use_embed_norm": self.use_embed_norm,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
             "pad_token_id": self.pad_token_id,
@@ -288,6 +308,10 @@ class InklingConfig:
                                if k not in ("text_config", "mtp_config", "model_type")}
         out["model_type"] = "inkling_mm_model"
         out.setdefault("architectures", ["InklingForConditionalGeneration"])
+        # inkfw serves the text backbone only; a checkpoint it creates has no towers. Minimal tower
+        # configs keep it loadable by HF transformers (whose defaults would allocate a huge tower).
+        out.setdefault("vision_config", dict(TEXT_ONLY_VISION_CONFIG))
+        out.setdefault("audio_config", dict(TEXT_ONLY_AUDIO_CONFIG))
         out["text_config"] = self.to_text_dict()
         out["mtp_config"] = dataclasses.asdict(self.mtp)
         return out

@@ -35,6 +35,19 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
+def resolve_device(name: str | torch.device) -> torch.device:
+    """``auto`` picks CUDA when present; asking for CUDA without it is a config error."""
+    name = str(name)
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={name} but no CUDA device is available; use device=cpu or device=auto.")
+    try:
+        return torch.device(name)
+    except RuntimeError as exc:
+        raise ConfigError(f"device must be auto, cpu or cuda[:N], got {name!r}.") from exc
+
+
 def resolve_path(path: str | Path) -> Path:
     """Relative checkpoint paths are taken from the project root when not found where we run."""
     p = Path(path).expanduser()
@@ -65,6 +78,7 @@ def build_model(model_node: Any, mtp_depths: int | None = None, dtype: str | tor
     """A checkpoint's model (``path``) or a seeded random-init preset (``sizes``)."""
     node = _plain(model_node)
     dtype = parse_dtype(dtype)
+    device = resolve_device(device)
     if node.get("path"):
         model, _ = load_model(resolve_path(node["path"]), mtp_depths=mtp_depths, dtype=dtype, device=device,
                               embed_source=embed_source)

@@ -38,7 +38,7 @@ def smoke_run(cfg: Any) -> dict[str, Any]:
     total = T0 + int(cfg.max_new_tokens)
     if total > mcfg.max_position_embeddings:
         raise ConfigError(f"prompt + max_new_tokens = {total} exceeds the model limit {mcfg.max_position_embeddings}.")
-    prompt = prompt.to(cfg.device)
+    prompt = prompt.to(next(model.parameters()).device)
 
     cache = DenseModelCache(model, B, total)
     seq = prompt

@@ -204,6 +204,28 @@ def test_invalid_values(bad, match):
         InklingConfig.from_dict(dict(TEXT, model_type="inkling_model", **bad))
 
 
+@pytest.mark.parametrize("raw", [
+    pytest.param([1, 2], id="not-an-object"),
+    pytest.param(dict(TEXT, model_type="inkling_model", num_hidden_layers="six"), id="num_hidden_layers-str"),
+    pytest.param(dict(TEXT, model_type="inkling_model", num_hidden_layers=None), id="num_hidden_layers-null"),
+    pytest.param(dict(TEXT, model_type="inkling_text", layer_types=5), id="layer_types-int"),
+    pytest.param(dict(TEXT, model_type="inkling_text", mlp_layer_types=5), id="mlp_layer_types-int"),
+    pytest.param(dict(TEXT, model_type="inkling_model", mtp_config=[3]), id="mtp_config-list"),
+    pytest.param(dict(TEXT, model_type="inkling_model", mtp_config={"num_nextn_predict_layers": "x"}),
+                 id="mtp-depths-str"),
+    pytest.param(dict(TEXT, model_type="inkling_model", mtp_config={"local_layer_ids": 3}), id="mtp-local-int"),
+    pytest.param(dict(TEXT, model_type="inkling_text", layer_types=["hybrid", "hybrid_sliding"]),
+                 id="layer_types-length"),
+    pytest.param(dict(TEXT, model_type="inkling_text", mlp_layer_types=["dense", "sparse"]),
+                 id="mlp_layer_types-length"),
+])
+def test_malformed_config_is_a_config_error(raw):
+    """A malformed config.json is a ConfigError (one sentence for the user), never a raw
+    TypeError/ValueError/AttributeError, and never silently read as some other model."""
+    with pytest.raises(ConfigError):
+        InklingConfig.from_dict(raw, source="x/config.json")
+
+
 def test_negative_mtp_depths_is_an_error():
     with pytest.raises(ConfigError, match="num_nextn_predict_layers"):
         InklingConfig.from_dict(dict(TEXT, model_type="inkling_model",

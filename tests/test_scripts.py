@@ -28,6 +28,7 @@ def test_smoke_run_succeeds(tmp_path):
     (["mtp.depths=9"], "mtp.depths=9"),
     (["max_new_tokens=0"], "max_new_tokens"),
     (["dtype=float64"], "dtype"),
+    (["mtp.embed_source=normed"], "embed_source"),
     (["prompt_token_ids=[1,2,100000]"], "prompt token ids"),
 ])
 def test_bad_input_gives_one_line_no_traceback(tmp_path, overrides, needle):

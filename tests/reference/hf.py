@@ -77,9 +77,11 @@ def randomize_hf_(module: nn.Module, seed: int = 0, lm_head: nn.Linear | None = 
     from transformers.models.inkling import modeling_inkling as mi
 
     g = torch.Generator().manual_seed(seed)
+    touched: set[int] = set()
 
     def rnd(p: torch.Tensor, std: float, mean: float = 0.0) -> None:
         p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.dtype) * std + mean)
+        touched.add(id(p))
 
     for m in module.modules():
         if isinstance(m, mi.InklingRMSNorm):
@@ -106,6 +108,12 @@ def randomize_hf_(module: nn.Module, seed: int = 0, lm_head: nn.Linear | None = 
             rnd(m.weight, m.weight.shape[1] ** -0.5)
             if m.bias is not None:
                 rnd(m.bias, 0.1)
+    # every parameter and persistent buffer must have been drawn: an HF init value left in place
+    # (ones, zeros) would hide a wrong mapping of that tensor
+    persistent = dict(module.named_parameters())
+    persistent.update({n: b for n, b in module.named_buffers() if n in module.state_dict()})
+    missed = sorted(n for n, t in persistent.items() if id(t) not in touched)
+    assert not missed, f"randomize_hf_ left tensors untouched: {missed}"
     if lm_head is not None:
         assert mup is not None
         lm_head.weight.mul_(3.0 * mup)

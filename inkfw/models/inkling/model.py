@@ -14,6 +14,7 @@ from torch import nn
 
 from inkfw.cache.interface import LayerCache
 from inkfw.config import InklingConfig
+from inkfw.errors import ConfigError
 from inkfw.models.inkling.layers import Block, RMSNorm, Router, ShortConv, init_weights
 from inkfw.models.inkling.mtp import MtpStack
 
@@ -57,7 +58,7 @@ class InklingLM(nn.Module):
     def __init__(self, cfg: InklingConfig, mtp_depths: int = 0, embed_source: EmbedSource = "backbone_norm"):
         super().__init__()
         if embed_source not in ("backbone_norm", "raw"):
-            raise ValueError(f"embed_source must be 'backbone_norm' or 'raw', got {embed_source!r}")
+            raise ConfigError(f"mtp.embed_source must be 'backbone_norm' or 'raw', got {embed_source!r}.")
         self.cfg = cfg
         self.embed_source = embed_source
         self.backbone = InklingBackbone(cfg)
@@ -119,7 +120,8 @@ class InklingLM(nn.Module):
         outs, g = [], hidden
         for d in range(depths):
             # tokens x[t+d+1], padded with 0 past the end
-            shifted = torch.nn.functional.pad(input_ids[:, d + 1:], (0, d + 1), value=0)  # [B, T]
+            shifted = torch.zeros_like(input_ids)  # [B, T]
+            shifted[:, : max(0, input_ids.shape[1] - d - 1)] = input_ids[:, d + 1:]
             g = self.mtp_step(d, g, shifted, positions)
             outs.append(g)
         return outs
