@@ -322,7 +322,8 @@ def load_model(path: str | Path, mtp_depths: int | None = None, dtype: torch.dty
                           f"mtp.train_from={shipped}`.")
     with torch.device("meta"):
         model = InklingLM(ckpt.config, mtp_depths=depths, embed_source=embed_source)
-    model = model.to_empty(device=device).to_dtype(dtype)
+    # dtypes are set while still on meta, so memory is allocated once, in the final dtype
+    model = model.to_dtype(dtype).to_empty(device=device)
     load_state(model, ckpt)
     ckpt.close()
     return model.eval(), ckpt
