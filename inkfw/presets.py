@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
 from inkfw.checkpoint import load_model
 from inkfw.config import InklingConfig, MtpConfig
@@ -17,14 +18,8 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 
 def _plain(node: Any) -> Any:
-    try:
-        from omegaconf import OmegaConf
-
-        if OmegaConf.is_config(node):
-            return OmegaConf.to_container(node, resolve=True)
-    except ImportError:  # pragma: no cover
-        pass
-    return node
+    """A Hydra/OmegaConf node as plain Python containers (other values unchanged)."""
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:

@@ -43,7 +43,6 @@ def smoke_run(cfg: Any) -> dict[str, Any]:
     cache = DenseModelCache(model, B, total)
     seq = prompt
     positions = torch.arange(T0, device=prompt.device).expand(B, T0)
-    max_diff = 0.0
     t0 = time.perf_counter()
     with torch.no_grad(), Progress(console=console, transient=True) as progress:
         task = progress.add_task("decoding", total=int(cfg.max_new_tokens))
