@@ -184,8 +184,13 @@ class Checkpoint:
             try:
                 self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
             except (SafetensorError, OSError, ValueError) as exc:
-                raise CheckpointError(f"{file}: not a readable safetensors file ({exc}).") from exc
+                raise CheckpointError(f"{file}: not a valid safetensors file ({exc}).") from exc
         return self._handles[file]
+
+    def tensor_names(self, file: Path) -> list[str]:
+        if not file.is_file():
+            raise CheckpointError(f"{file}: checkpoint file not found.")
+        return list(self._open(file).keys())
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._open(self.weight_map[name]).get_slice(name).get_shape())
@@ -199,16 +204,6 @@ class Checkpoint:
 
     def close(self) -> None:
         self._handles.clear()
-
-
-def _list_tensors(file: Path) -> list[str]:
-    if not file.is_file():
-        raise CheckpointError(f"{file}: checkpoint file not found.")
-    try:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            return list(f.keys())
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise CheckpointError(f"{file}: not a valid safetensors file ({exc}).") from exc
 
 
 def _detect_layout(names: list[str], path: Path) -> Layout:
@@ -239,7 +234,8 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         raise CheckpointError(str(exc)) from exc
 
     index = path / INDEX_FILE
-    weight_map: dict[str, Path] = {}
+    ckpt = Checkpoint(path, config, raw, "release", {})
+    weight_map = ckpt.weight_map
     if index.is_file():
         try:
             entries = json.loads(index.read_text())["weight_map"]
@@ -251,18 +247,18 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         for name, fname in entries.items():
             listed.setdefault(path / fname, set()).add(name)
         for file, names in listed.items():
-            present = set(_list_tensors(file))
+            present = set(ckpt.tensor_names(file))
             missing = sorted(names - present)
             if missing:
                 raise CheckpointError(f"{file}: tensor {missing[0]} is listed in {INDEX_FILE} but not in the file.")
             weight_map.update({n: file for n in names})
     elif (path / SINGLE_FILE).is_file():
         file = path / SINGLE_FILE
-        weight_map = {n: file for n in _list_tensors(file)}
+        weight_map.update({n: file for n in ckpt.tensor_names(file)})
     else:
         raise CheckpointError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE} found.")
-    layout = _detect_layout(list(weight_map), path)
-    return Checkpoint(path, config, raw, layout, weight_map)
+    ckpt.layout = _detect_layout(list(weight_map), path)
+    return ckpt
 
 
 def load_state(model: InklingLM, ckpt: Checkpoint) -> None:
@@ -312,14 +308,7 @@ def load_model(path: str | Path, mtp_depths: int | None = None, dtype: torch.dty
     more than ship is an error (train extra depths with ``scripts/train.py task=mtp``).
     """
     ckpt = open_checkpoint(path)
-    shipped = ckpt.config.mtp.num_nextn_predict_layers
-    depths = shipped if mtp_depths is None else int(mtp_depths)
-    if depths < 0:
-        raise ConfigError(f"mtp.depths must be >= 0, got {depths}.")
-    if depths > shipped:
-        raise ConfigError(f"{ckpt.path}: mtp.depths={depths} but the checkpoint ships {shipped} MTP depth(s); "
-                          f"train more with `python scripts/train.py task=mtp mtp.depths={depths} "
-                          f"mtp.train_from={shipped}`.")
+    depths = ckpt.config.mtp_depths_to_build(mtp_depths, source=str(ckpt.path))
     with torch.device("meta"):
         model = InklingLM(ckpt.config, mtp_depths=depths, embed_source=embed_source)
     # dtypes are set while still on meta, so memory is allocated once, in the final dtype

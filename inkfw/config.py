@@ -138,6 +138,18 @@ class InklingConfig:
         need(self.unpadded_vocab_size is None or self.unpadded_vocab_size >= 1,
              "model config: unpadded_vocab_size must be >= 1.")
 
+    def mtp_depths_to_build(self, requested: int | None, source: str) -> int:
+        """Depths to build: all that ship (``requested`` None) or ``requested``, which may not
+        exceed what ``source`` ships."""
+        shipped = self.mtp.num_nextn_predict_layers
+        depths = shipped if requested is None else int(requested)
+        if depths < 0:
+            raise ConfigError(f"mtp.depths must be >= 0, got {depths}.")
+        if depths > shipped:
+            raise ConfigError(f"{source}: mtp.depths={depths} but it ships {shipped} MTP depth(s); train more with "
+                              f"`python scripts/train.py task=mtp mtp.depths={depths} mtp.train_from={shipped}`.")
+        return depths
+
     def with_mtp_depths(self, depths: int) -> InklingConfig:
         """A copy whose checkpoint ships ``depths`` MTP depths (for training extra depths)."""
         return dataclasses.replace(self, mtp=dataclasses.replace(self.mtp, num_nextn_predict_layers=depths))

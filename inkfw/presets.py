@@ -79,10 +79,7 @@ def build_model(model_node: Any, mtp_depths: int | None = None, dtype: str | tor
                               embed_source=embed_source)
         return model
     cfg = model_config(node)
-    shipped = cfg.mtp.num_nextn_predict_layers
-    depths = shipped if mtp_depths is None else int(mtp_depths)
-    if depths > shipped:
-        raise ConfigError(f"mtp.depths={depths} but preset {node.get('name')!r} has {shipped} MTP depth(s).")
+    depths = cfg.mtp_depths_to_build(mtp_depths, source=f"preset {node.get('name')!r}")
     torch.manual_seed(int(node.get("init_seed", 0)))
     model = InklingLM(cfg, mtp_depths=depths, embed_source=embed_source)
     model.init_weights()

@@ -60,7 +60,7 @@ def smoke_run(cfg: Any) -> dict[str, Any]:
         uncached_greedy = model.logits(full[:, T0 - 1:-1]).argmax(-1)
         greedy_match = bool((uncached_greedy == seq[:, T0:]).all())
         # one drafting round after the sequence: the target's next token, then one draft per depth
-        drafts = greedy_reference_drafts(model, seq)[:, 1:].T.tolist() if model.mtp is not None else []
+        drafts = greedy_reference_drafts(model, seq, hidden=full)[:, 1:].T.tolist() if model.mtp is not None else []
 
     table = Table(title=f"inkfw smoke run: {cfg.model.name}")
     table.add_column("metric")
