@@ -1,7 +1,8 @@
 """A contiguous, position-indexed cache: one slot per position, per request row.
 
 This is the simplest :class:`~inkfw.cache.interface.LayerCache`: slot p of row b holds what
-position p of request b wrote last. It backs tests and the smoke run; the serving engine's
+position p of request b wrote last. Positions never written (or invalidated) are absent: masked
+for attention and read as zeros by the short convolutions. It backs tests and the smoke run; the serving engine's
 paged pool implements the same protocol over blocks.
 """
 
@@ -22,8 +23,8 @@ class DenseLayerCache:
         self.v = torch.zeros_like(self.k)
         self.conv = [torch.zeros(batch, max_len, c, dtype=dtype, device=device) for c in conv_channels]
         assert len(self.conv) == NUM_CONV_STREAMS
-        # highest position written per row + 1; slots beyond are reported as empty
-        self.filled = torch.zeros(batch, dtype=torch.long, device=device)
+        # which positions hold something; the others are reported as empty / read as zeros
+        self.written = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
 
     def _check(self, positions: torch.Tensor) -> None:
         if positions.numel() and int(positions.max()) >= self.max_len:
@@ -34,9 +35,9 @@ class DenseLayerCache:
         rows = torch.arange(k.shape[0], device=k.device)[:, None]  # [B, 1]
         self.k[rows, positions] = k.to(self.k.dtype)
         self.v[rows, positions] = v.to(self.v.dtype)
-        self.filled = torch.maximum(self.filled, positions.max(dim=1).values + 1)
+        self.written[rows, positions] = True
         slots = torch.arange(self.max_len, device=k.device)[None, :]  # [1, S]
-        key_positions = torch.where(slots < self.filled[:, None], slots, EMPTY_POSITION)  # [B, S]
+        key_positions = torch.where(self.written, slots, EMPTY_POSITION)  # [B, S]
         return self.k, self.v, key_positions
 
     def conv_window(self, stream, x, positions, kernel_size):
@@ -44,10 +45,16 @@ class DenseLayerCache:
         store = self.conv[stream]
         rows = torch.arange(x.shape[0], device=x.device)[:, None]
         store[rows, positions] = x.to(store.dtype)
+        self.written[rows, positions] = True
         offsets = torch.arange(-(kernel_size - 1), 1, device=x.device)  # [K]
         window_pos = positions[:, :, None] + offsets  # [B, T, K]
-        window = store[rows[:, :, None], window_pos.clamp(min=0)]  # [B, T, K, C]
-        return window.masked_fill((window_pos < 0)[..., None], 0.0)
+        at = (rows[:, :, None], window_pos.clamp(min=0))
+        window = store[at]  # [B, T, K, C]
+        return window.masked_fill(~((window_pos >= 0) & self.written[at])[..., None], 0.0)
+
+    def invalidate(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        """Forget what ``positions`` [N] of ``rows`` [N] hold: masked as keys, zeros as conv inputs."""
+        self.written[rows, positions] = False
 
 
 class DenseModelCache:

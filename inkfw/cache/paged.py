@@ -1,0 +1,396 @@
+"""The serving cache: one paged block pool per cache group, shared by all requests.
+
+Every byte of cache the engine uses lives here. A *cache group* is a set of layers that hold
+the same positions and so share one block table per request:
+
+* ``target/full``: the target's global-attention layers;
+* ``target/sliding``: the target's sliding-window layers (old blocks are freed);
+* ``draft/d``: MTP depth ``d`` (full or sliding per ``mtp_config.local_layer_ids``).
+
+Each group owns a :class:`BlockPool` of ``num_blocks`` blocks of ``block_size`` positions; a
+block holds, for every layer of the group, keys, values and the inputs of the four short
+convolutions at those positions (conv state is cache state, indexed like KV). Slot ``p % bs``
+of the request's block ``p // bs`` holds position ``p``; each slot also records which position
+it holds, so a slot that was never written, was invalidated, or belonged to a block's previous
+owner is never read (masked for attention, zeros for the convs).
+
+Rules from the design (§3):
+
+* prefix caching registers a block only when every group's state in it is final: all its
+  positions and the ``lookahead`` tokens after it are committed (``num_final`` below), and the
+  block's hash covers those lookahead tokens, because MTP depth ``s`` at position ``t`` reads
+  tokens up to ``t + s + 1``. Freed blocks stay findable until evicted (LRU);
+* sliding-window groups free blocks that left the window, but keep ``lookahead - 1`` extra
+  positions for the drafter's re-prefill;
+* one extra *scratch* block per group absorbs writes of padding tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from inkfw.cache.interface import EMPTY_POSITION, NUM_CONV_STREAMS
+from inkfw.errors import ConfigError
+
+
+class BlockPool:
+    """Block ids with refcounts, an LRU queue of free blocks and a hash -> block index.
+
+    A free block may still carry a hash (its content is a cached prefix); allocating it
+    evicts that entry. Blocks are handed out least-recently-freed first.
+    """
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.refcount = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.cached: dict[bytes, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def allocate(self) -> int | None:
+        if not self.free:
+            return None
+        block, _ = self.free.popitem(last=False)
+        h = self.block_hash[block]
+        if h is not None:
+            del self.cached[h]
+            self.block_hash[block] = None
+        self.refcount[block] = 1
+        return block
+
+    def acquire_cached(self, h: bytes) -> int | None:
+        """Take a reference on the block cached under ``h`` (None if there is none)."""
+        block = self.cached.get(h)
+        if block is None:
+            return None
+        if self.refcount[block] == 0:
+            del self.free[block]
+        self.refcount[block] += 1
+        return block
+
+    def release(self, block: int) -> None:
+        self.refcount[block] -= 1
+        assert self.refcount[block] >= 0, f"block {block} released more often than acquired"
+        if self.refcount[block] == 0:
+            self.free[block] = None  # most recently freed: evicted last
+
+    def register(self, block: int, h: bytes) -> None:
+        """Make ``block`` findable under ``h`` (no-op if that content is cached already)."""
+        if self.block_hash[block] is None and h not in self.cached:
+            self.cached[h] = block
+            self.block_hash[block] = h
+
+
+class LayerStorage:
+    """Slots of one layer: keys, values and the four conv input streams, [slots, ...]."""
+
+    def __init__(self, slots: int, num_kv_heads: int, head_dim: int, conv_channels: Sequence[int],
+                 dtype: torch.dtype, device: torch.device):
+        self.k = torch.zeros(slots, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.conv = [torch.zeros(slots, c, dtype=dtype, device=device) for c in conv_channels]
+        assert len(self.conv) == NUM_CONV_STREAMS
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in [self.k, self.v, *self.conv])
+
+
+@dataclass
+class CacheGroup:
+    name: str
+    window: int | None  # sliding window, None for full attention
+    layers: list[LayerStorage]
+    pool: BlockPool
+    slot_pos: torch.Tensor  # [(num_blocks + 1) * block_size] position each slot holds, or EMPTY
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.pool.num_blocks * (self.slot_pos.numel() // (self.pool.num_blocks + 1))
+
+
+class GroupView:
+    """Where one forward's tokens go in one group, and what they may read.
+
+    Built once per forward and group, shared by all layers of the group. Writing the slot
+    positions happens here (before the layers write the data); nothing reads in between.
+    """
+
+    def __init__(self, group: CacheGroup, tables: list[list[int]], positions: torch.Tensor,
+                 valid: torch.Tensor, block_size: int):
+        device = positions.device
+        B, T = positions.shape
+        self.group, self.bs = group, block_size
+        width = max(1, max(len(t) for t in tables))
+        table = torch.full((B, width), -1, dtype=torch.long)
+        for b, t in enumerate(tables):
+            table[b, : len(t)] = torch.tensor(t, dtype=torch.long)
+        self.table = table.to(device)  # [B, nb]
+        scratch = group.scratch_slot
+
+        blk = positions // block_size  # [B, T]
+        phys = self.table.gather(1, blk.clamp(0, width - 1))  # [B, T]
+        ok = valid & (blk < width) & (phys >= 0)
+        if bool((valid & ~ok).any()):
+            raise RuntimeError(f"cache group {group.name}: a token has no block (engine did not allocate)")
+        self.write_slots = torch.where(ok, phys * block_size + positions % block_size, scratch).reshape(-1)  # [B*T]
+        group.slot_pos[self.write_slots[ok.reshape(-1)]] = positions[ok]
+
+        # keys: the blocks any query of this forward can see
+        lo = 0
+        if group.window is not None and bool(valid.any()):
+            lo = max(0, int(positions[valid].min()) - group.window + 1) // block_size
+        hi = int(positions[valid].max()) // block_size + 1 if bool(valid.any()) else 1
+        hi = max(lo + 1, min(hi, width))
+        key_table = self.table[:, lo:hi]  # [B, nk]
+        offsets = torch.arange(block_size, device=device)
+        logical = ((torch.arange(lo, hi, device=device) * block_size)[:, None] + offsets).reshape(-1)  # [S]
+        slots = (key_table[:, :, None] * block_size + offsets).reshape(B, -1)  # [B, S]
+        present = (key_table >= 0)[:, :, None].expand(-1, -1, block_size).reshape(B, -1)
+        self.key_slots = torch.where(present, slots, scratch)  # [B, S]
+        held = group.slot_pos[self.key_slots]  # [B, S]
+        self.key_positions = torch.where(held == logical, logical, EMPTY_POSITION)  # [B, S]
+        self._positions = positions
+        self._windows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def conv_window(self, kernel_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots [B, T, K], ok [B, T, K]) for positions p-K+1 .. p of every token."""
+        if kernel_size not in self._windows:
+            want = self._positions[:, :, None] + torch.arange(-(kernel_size - 1), 1, device=self._positions.device)
+            blk = want.clamp(min=0) // self.bs  # [B, T, K]
+            width = self.table.shape[1]
+            B = want.shape[0]
+            phys = self.table.gather(1, blk.clamp(max=width - 1).reshape(B, -1)).reshape(want.shape)
+            slots = torch.where(phys >= 0, phys * self.bs + want.clamp(min=0) % self.bs, self.group.scratch_slot)
+            ok = (want >= 0) & (blk < width) & (phys >= 0) & (self.group.slot_pos[slots] == want)
+            self._windows[kernel_size] = (slots, ok)
+        return self._windows[kernel_size]
+
+
+class PagedLayerCache:
+    """:class:`~inkfw.cache.interface.LayerCache` of one layer over a :class:`GroupView`."""
+
+    def __init__(self, view: GroupView, storage: LayerStorage):
+        self.view, self.storage = view, storage
+
+    def update_kv(self, k, v, positions):
+        s, vw = self.storage, self.view
+        s.k.index_copy_(0, vw.write_slots, k.reshape(-1, *k.shape[2:]).to(s.k.dtype))
+        s.v.index_copy_(0, vw.write_slots, v.reshape(-1, *v.shape[2:]).to(s.v.dtype))
+        return s.k[vw.key_slots], s.v[vw.key_slots], vw.key_positions  # [B, S, Hkv, D] x2, [B, S]
+
+    def conv_window(self, stream, x, positions, kernel_size):
+        store = self.storage.conv[stream]
+        store.index_copy_(0, self.view.write_slots, x.reshape(-1, x.shape[-1]).to(store.dtype))
+        slots, ok = self.view.conv_window(kernel_size)
+        return store[slots].masked_fill(~ok[..., None], 0.0)  # [B, T, K, C]
+
+
+def _block_shapes(block) -> tuple[int, int, tuple[int, int, int, int]]:
+    attn = block.attn
+    kv = attn.num_kv_heads * attn.head_dim
+    hidden = block.attn_norm.weight.shape[0]
+    return attn.num_kv_heads, attn.head_dim, (kv, kv, hidden, hidden)
+
+
+class PagedKVManager:
+    """Block tables, allocation, prefix caching and window freeing for every request.
+
+    ``lookahead``: how many tokens after a position the drafter's state at that position
+    depends on (P for MTP drafting, 0 without a drafter cache); it sets what is final.
+    """
+
+    def __init__(self, model, num_draft_depths: int = 0, lookahead: int = 0, block_size: int = 16,
+                 num_blocks: int | None = None, enable_prefix_caching: bool = True,
+                 max_model_len: int | None = None, max_num_seqs: int = 16,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ConfigError(f"kv.block_size must be an integer >= 1, got {block_size!r}.")
+        if num_blocks is not None and (not isinstance(num_blocks, int) or num_blocks < 1):
+            raise ConfigError(f"kv.num_blocks must be null or an integer >= 1, got {num_blocks!r}.")
+        param = next(model.parameters())
+        dtype, device = dtype or param.dtype, torch.device(device or param.device)
+        cfg = model.cfg
+        max_model_len = max_model_len or cfg.max_position_embeddings
+        if num_blocks is None:  # enough for max_num_seqs full-length requests
+            num_blocks = max_num_seqs * (-(-max_model_len // block_size) + 1)
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.lookahead = lookahead
+        self.enable_prefix_caching = enable_prefix_caching
+        self.conv_kernel_size = cfg.conv_kernel_size
+        slots = (num_blocks + 1) * block_size  # + the scratch block
+
+        def new_group(name: str, window: int | None, blocks: list) -> int:
+            layers = [LayerStorage(slots, *_block_shapes(b), dtype=dtype, device=device) for b in blocks]
+            slot_pos = torch.full((slots,), EMPTY_POSITION, dtype=torch.long, device=device)
+            self.groups.append(CacheGroup(name, window, layers, BlockPool(num_blocks), slot_pos))
+            return len(self.groups) - 1
+
+        self.groups: list[CacheGroup] = []
+        self.target_layout: list[tuple[int, int]] = []  # per target layer: (group, index in group)
+        layers = list(model.backbone.layers)
+        for kind, window in (("full", None), ("sliding", cfg.sliding_window)):
+            members = [i for i, layer in enumerate(layers) if (layer.attn.window is not None) == (kind == "sliding")]
+            if members:
+                g = new_group(f"target/{kind}", window, [layers[i] for i in members])
+                for j, i in enumerate(members):
+                    self.target_layout.append((i, g, j))
+        self.target_layout = [(g, j) for _, g, j in sorted(self.target_layout)]
+        self.draft_groups: list[int] = []
+        if num_draft_depths:
+            for d, depth in enumerate(list(model.mtp.depths)[:num_draft_depths]):
+                self.draft_groups.append(new_group(f"draft/{d}", depth.block.attn.window, [depth.block]))
+        self.device = device
+        self._tables: dict[Hashable, list[list[int]]] = {}
+        self._hashes: dict[Hashable, list[bytes]] = {}  # registered block hashes, in order
+
+    # ------------------------------------------------------------------ queries
+    def num_free_blocks(self) -> list[int]:
+        return [g.pool.num_free for g in self.groups]
+
+    def is_whole(self) -> bool:
+        """True when no request holds a block (all blocks free, cached or not)."""
+        return all(g.pool.num_free == g.pool.num_blocks for g in self.groups) and not self._tables
+
+    def held_blocks(self, rid: Hashable) -> list[int]:
+        """Blocks request ``rid`` holds, per group."""
+        return [sum(b >= 0 for b in t) for t in self._tables.get(rid, [[] for _ in self.groups])]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for g in self.groups for s in g.layers)
+
+    def _needed_from(self, group: CacheGroup, first_query: int) -> int:
+        """First position a query at ``first_query`` or later can read in ``group``."""
+        if group.window is None:
+            return 0
+        return max(0, first_query - max(group.window, self.conv_kernel_size) + 1)
+
+    # ------------------------------------------------------------- lifecycle
+    def _hash_chain(self, tokens: Sequence[int], num_blocks: int) -> list[bytes]:
+        bs, la = self.block_size, self.lookahead
+        out, parent = [], b""
+        arr = np.asarray(tokens, dtype=np.int64)
+        for j in range(num_blocks):
+            parent = hashlib.blake2b(parent + arr[j * bs: (j + 1) * bs + la].tobytes(), digest_size=16).digest()
+            out.append(parent)
+        return out
+
+    def add(self, rid: Hashable, tokens: Sequence[int]) -> int:
+        """Start request ``rid`` with committed ``tokens``; returns how many leading positions
+        are already cached (a multiple of the block size, leaving >= 1 token to compute)."""
+        assert rid not in self._tables, f"request {rid} added twice"
+        tables = [[] for _ in self.groups]
+        self._tables[rid] = tables
+        self._hashes[rid] = []
+        if not self.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        candidates = (len(tokens) - self.lookahead) // bs  # blocks whose lookahead is committed
+        if len(tokens) - candidates * bs < 1:
+            candidates -= 1
+        if candidates <= 0:
+            return 0
+        hashes = self._hash_chain(tokens, candidates)
+        for j in range(candidates, 0, -1):
+            h = j * bs
+            if all(hashes[i] in g.pool.cached
+                   for g in self.groups for i in range(self._needed_from(g, h) // bs, j)):
+                break
+        else:
+            return 0
+        for g, table in zip(self.groups, tables):
+            first = self._needed_from(g, h) // bs
+            table.extend([-1] * first)
+            table.extend(g.pool.acquire_cached(hashes[i]) for i in range(first, j))
+        self._hashes[rid] = hashes[:j]
+        return h
+
+    def ensure(self, rid: Hashable, target_end: int, draft_end: int) -> bool:
+        """Give ``rid`` blocks for target positions < ``target_end`` and draft positions <
+        ``draft_end``. False when a pool ran out (what was allocated stays with ``rid``)."""
+        tables = self._tables[rid]
+        for gi, (g, table) in enumerate(zip(self.groups, tables)):
+            end = draft_end if gi in self.draft_groups else target_end
+            need = -(-end // self.block_size)
+            while len(table) < need:
+                block = g.pool.allocate()
+                if block is None:
+                    return False
+                g.slot_pos[block * self.block_size: (block + 1) * self.block_size] = EMPTY_POSITION
+                table.append(block)
+        return True
+
+    def free(self, rid: Hashable) -> None:
+        """Release every block of ``rid`` (tail blocks first, so they are evicted first)."""
+        for g, table in zip(self.groups, self._tables.pop(rid)):
+            for block in reversed(table):
+                if block >= 0:
+                    g.pool.release(block)
+        self._hashes.pop(rid, None)
+
+    def finalize(self, rid: Hashable, tokens: Sequence[int], num_final: int) -> None:
+        """Positions < ``num_final`` of ``rid`` are final in every group: register their full
+        blocks for prefix caching (``tokens`` must hold ``lookahead`` tokens past them)."""
+        if not self.enable_prefix_caching:
+            return
+        done = self._hashes[rid]
+        full = min(num_final, len(tokens) - self.lookahead) // self.block_size
+        if full <= len(done):
+            return
+        hashes = self._hash_chain(tokens, full)
+        assert hashes[: len(done)] == done, "committed tokens of a request changed"
+        for g, table in zip(self.groups, self._tables[rid]):
+            for j in range(len(done), full):
+                if j < len(table) and table[j] >= 0:
+                    g.pool.register(table[j], hashes[j])
+        self._hashes[rid] = hashes
+
+    def trim(self, rid: Hashable, first_query: int) -> None:
+        """Free sliding-window blocks no query at ``first_query`` or later can read."""
+        for g, table in zip(self.groups, self._tables[rid]):
+            if g.window is None:
+                continue
+            keep_from = self._needed_from(g, first_query) // self.block_size
+            for j in range(min(keep_from, len(table))):
+                if table[j] >= 0:
+                    g.pool.release(table[j])
+                    table[j] = -1
+
+    # ----------------------------------------------------------------- views
+    def _view(self, group_index: int, rids: Sequence[Hashable], positions: torch.Tensor,
+              valid: torch.Tensor) -> GroupView:
+        tables = [self._tables[r][group_index] for r in rids]
+        return GroupView(self.groups[group_index], tables, positions, valid, self.block_size)
+
+    def target_caches(self, rids: Sequence[Hashable], positions: torch.Tensor,
+                      valid: torch.Tensor) -> list[PagedLayerCache]:
+        """One cache per target layer for a forward of ``positions`` [B, T] (``valid`` [B, T]:
+        padding tokens are False and write to the scratch block)."""
+        views = {g: self._view(g, rids, positions, valid) for g in {g for g, _ in self.target_layout}}
+        return [PagedLayerCache(views[g], self.groups[g].layers[j]) for g, j in self.target_layout]
+
+    def draft_cache(self, depth: int, rids: Sequence[Hashable], positions: torch.Tensor,
+                    valid: torch.Tensor) -> PagedLayerCache:
+        g = self.draft_groups[depth]
+        return PagedLayerCache(self._view(g, rids, positions, valid), self.groups[g].layers[0])
+
+    def invalidate_draft(self, rid: Hashable, start: int, end: int) -> None:
+        """Forget draft positions [start, end) in every depth group (decode-step gaps)."""
+        bs = self.block_size
+        for gi in self.draft_groups:
+            g, table = self.groups[gi], self._tables[rid][gi]
+            for p in range(start, end):
+                j = p // bs
+                if j < len(table) and table[j] >= 0:
+                    g.slot_pos[table[j] * bs + p % bs] = EMPTY_POSITION

@@ -1,0 +1,23 @@
+"""The autoregressive baseline: no drafts, every verify step is one plain decode step."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+from inkfw.spec.interfaces import DraftSpan, Drafts, KVManager
+
+
+class NoDrafter:
+    num_tokens = 0
+    lookahead = 0
+    num_depths = 0
+    needs_hidden = False
+
+    def __init__(self, **_: object):
+        pass
+
+    def propose(self, spans: Sequence[DraftSpan], kv: KVManager) -> Drafts:
+        return Drafts.empty(len(spans))
+
+    def release(self, rid: Hashable) -> None:
+        pass

@@ -1,0 +1,420 @@
+"""The speculative engine: schedule -> prefill / verify -> accept -> draft -> bookkeeping.
+
+Continuous batching over requests of any length and acceptance. A request with ``L``
+committed tokens (prompt + output) is either
+
+* prefilling: the target computes positions ``[num_computed, L - 1)`` in chunks (the last
+  committed token is fed by the next verify step, so prefill never samples), or
+* decoding: one verify step runs ``[x[L-1], d_1 .. d_n]`` and emits ``a + 1`` tokens.
+
+After either, the drafter gets the positions whose target state just became final and
+proposes the next drafts. A fresh prompt and a preempted request (recomputed from its
+committed tokens) take the same path, so preemption never changes greedy output.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from inkfw.errors import ConfigError
+from inkfw.spec.interfaces import DraftSpan, Drafter, Drafts, KVManager, Verifier
+from inkfw.spec.metrics import SpecMetrics
+from inkfw.spec.reference import reference_draft_logits
+from inkfw.spec.sampling import Sampler, SamplingParams
+
+
+class DraftCheckError(RuntimeError):
+    """``engine.check_drafts``: a draft differs from the uncached reference."""
+
+
+@dataclass
+class EngineConfig:
+    """Scheduling limits of the engine."""
+
+    max_num_seqs: int = 16  # requests decoded together
+    max_num_batched_tokens: int = 512  # target tokens per step (prefill chunks + verify tokens)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    check_drafts: bool = False  # recompute every draft with the uncached reference
+    check_drafts_atol: float = 1e-3  # logits tolerance of that check
+
+    def validate(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"engine.{name} must be an integer >= 1, got {v!r}.")
+
+
+@dataclass
+class Request:
+    """One generation request and everything the engine tracks about it."""
+
+    id: int
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    max_new_tokens: int
+    stop: tuple[str, ...] = ()
+    token_ids: list[int] = field(default_factory=list)  # committed: prompt + output
+    generator: torch.Generator | None = None
+    num_computed: int = 0  # leading positions with final target state
+    pending: Drafts | None = None  # drafts for the next verify step (one row)
+    status: str = "waiting"  # waiting | running | finished
+    finish_reason: str | None = None  # stop | length | error
+    error: str | None = None
+    text: str = ""
+    num_verify_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_preemptions: int = 0
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def finished(self) -> bool:
+        return self.status == "finished"
+
+
+@dataclass
+class StepTimes:
+    draft_s: float = 0.0
+    verify_s: float = 0.0  # target forwards: prefill chunks and verify steps, with acceptance
+    bookkeeping_s: float = 0.0
+    forward_s: float = 0.0  # time inside model forwards (target and drafter)
+    num_steps: int = 0
+
+    @property
+    def total_s(self) -> float:
+        return self.draft_s + self.verify_s + self.bookkeeping_s
+
+
+class ForwardClock:
+    """Times the model calls it runs (synchronising CUDA so the times are real)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.seconds = 0.0
+
+    def __call__(self, fn: Callable, *args):
+        if self.cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = fn(*args)
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.seconds += time.perf_counter() - t
+        return out
+
+
+class Engine:
+    def __init__(self, model, drafter: Drafter, verifier: Verifier, kv: KVManager, sampler: Sampler | None = None,
+                 config: EngineConfig | None = None, tokenizer=None):
+        self.model, self.drafter, self.verifier, self.kv = model, drafter, verifier, kv
+        self.sampler = sampler or Sampler()
+        self.config = config or EngineConfig()
+        self.config.validate()
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        self.max_model_len = min(self.config.max_model_len or model.cfg.max_position_embeddings,
+                                 model.cfg.max_position_embeddings)
+        self.eos_ids = set(model.cfg.eos_token_ids)
+        self.vocab_size = model.cfg.vocab_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.metrics = SpecMetrics()
+        self.times = StepTimes()
+        self.clock = ForwardClock(self.device)
+        for component in (drafter, verifier):
+            if hasattr(component, "clock"):
+                component.clock = self.clock
+        if self.config.check_drafts and hasattr(drafter, "keep_logits"):
+            drafter.keep_logits = True
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt_token_ids: Sequence[int], sampling: SamplingParams | None = None,
+                    max_new_tokens: int = 64, stop: Iterable[str] = ()) -> Request:
+        """Queue a request; bad input raises :class:`ConfigError` and queues nothing."""
+        ids = [int(t) for t in prompt_token_ids]
+        sampling = sampling or SamplingParams()
+        if not ids:
+            raise ConfigError("the prompt is empty (0 tokens).")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise ConfigError(f"prompt token ids must lie in [0, {self.vocab_size}), got {min(ids)}..{max(ids)}.")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}.")
+        if len(ids) >= self.max_model_len:
+            raise ConfigError(f"the prompt has {len(ids)} tokens; the model limit is {self.max_model_len} "
+                              f"(prompt + at least one new token).")
+        req = Request(next(self._ids), ids, sampling, max_new_tokens, tuple(stop), token_ids=list(ids),
+                      generator=self.sampler.generator(sampling) if not sampling.greedy else None,
+                      arrival_time=time.perf_counter())
+        self.waiting.append(req)
+        return req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def generate(self, requests: Sequence[Request], on_tokens: Callable[[int], None] | None = None) -> list[Request]:
+        """Run until every request in ``requests`` has finished."""
+        while any(not r.finished for r in requests):
+            before = sum(len(r.output_token_ids) for r in requests)
+            self.step()
+            if on_tokens is not None:
+                on_tokens(sum(len(r.output_token_ids) for r in requests) - before)
+        return list(requests)
+
+    # ---------------------------------------------------------------------- step
+    def step(self) -> list[Request]:
+        """One engine step; returns the requests that finished in it."""
+        t0 = time.perf_counter()
+        fwd0 = self.clock.seconds
+        prefills, decodes = self._schedule()
+        finished: list[Request] = []
+        spans: list[DraftSpan] = []
+
+        # target: prefill chunks, then verify [x[L-1], drafts] for decoding requests
+        if prefills:
+            for (r, c0, c1), hidden in zip(prefills, self._prefill(prefills)):
+                r.num_computed = c1
+                final = c1 == len(r.token_ids) - 1
+                spans.append(DraftSpan(r, c0, hidden, None, self._num_drafts(r) if final else 0))
+        if decodes:
+            drafts = self._batch_drafts(decodes)
+            verdict = self.verifier.verify(self.model, self.kv, decodes, drafts)
+            accepted, next_tokens = verdict.num_accepted.tolist(), verdict.next_tokens.tolist()
+            self.metrics.record(drafts.num_drafts, verdict.num_accepted)
+            for b, r in enumerate(decodes):
+                a, n, L = accepted[b], int(drafts.num_drafts[b]), len(r.token_ids)
+                r.num_verify_steps += 1
+                r.num_draft_tokens += n
+                r.num_accepted_tokens += a
+                r.pending = None
+                self._append(r, drafts.tokens[b, :a].tolist() + [next_tokens[b]])
+                if r.finished:
+                    finished.append(r)
+                    continue
+                r.num_computed = L + a
+                spans.append(DraftSpan(r, L - 1, verdict.hidden[b, : a + 1], a, self._num_drafts(r)))
+        t1 = time.perf_counter()
+
+        # draft
+        spans = [s for s in spans if self.drafter.needs_hidden or s.num_drafts > 0]
+        if spans:
+            proposed = self.drafter.propose(spans, self.kv)
+            for b, s in enumerate(spans):
+                s.request.pending = _row(proposed, b)
+            if self.config.check_drafts:
+                self._check_drafts(spans, proposed)
+        t2 = time.perf_counter()
+
+        # bookkeeping: prefix cache, sliding windows, finished requests
+        lookahead = self.drafter.lookahead
+        for r in self.running:
+            if r.finished:
+                continue
+            self.kv.finalize(r.id, r.token_ids, min(r.num_computed, len(r.token_ids) - lookahead))
+            self.kv.trim(r.id, max(0, r.num_computed - max(0, lookahead - 1)))
+        for r in finished:
+            self._release(r)
+        t3 = time.perf_counter()
+        self.times.verify_s += t1 - t0
+        self.times.draft_s += t2 - t1
+        self.times.bookkeeping_s += t3 - t2
+        self.times.forward_s += self.clock.seconds - fwd0
+        self.times.num_steps += 1
+        return finished
+
+    # ---------------------------------------------------------------- schedule
+    def _num_drafts(self, r: Request) -> int:
+        """Drafts worth proposing for ``r``'s next verify step."""
+        left = r.max_new_tokens - len(r.output_token_ids) - 1
+        room = self.max_model_len - len(r.token_ids)
+        return max(0, min(self.drafter.num_tokens, left, room))
+
+    def _needs(self, r: Request, chunk_end: int | None) -> tuple[int, int]:
+        """(target_end, draft_end) positions ``r`` writes this step."""
+        k, P = self.drafter.num_tokens, self.drafter.lookahead
+        extra = max(0, k - P)  # decode-step positions past a span
+        L = len(r.token_ids)
+        if chunk_end is None:  # verify
+            n = int(r.pending.num_drafts[0]) if r.pending is not None else 0
+            return L + n, L + n + extra
+        return chunk_end, chunk_end + (extra if chunk_end == L - 1 else 0)
+
+    def _chunk_end(self, r: Request, budget: int) -> int:
+        """End of ``r``'s next prefill chunk within ``budget`` tokens. Chunks other than the
+        last end at least P - 1 positions before it, so their drafter inputs are all known."""
+        c0, end = r.num_computed, len(r.token_ids) - 1
+        room = end - c0 - max(0, self.drafter.lookahead - 1)  # longest chunk that is not the last
+        if end - c0 <= budget or room < 1:
+            return end
+        return c0 + min(budget, room)
+
+    def _schedule(self) -> tuple[list[tuple[Request, int, int]], list[Request]]:
+        budget = self.config.max_num_batched_tokens
+        prefills: list[tuple[Request, int, int]] = []
+        decodes: list[Request] = []
+        for r in list(self.running):
+            if r not in self.running:  # preempted by an earlier request of this loop
+                continue
+            prefilling = r.num_computed < len(r.token_ids) - 1
+            if prefilling and budget < 1:
+                continue
+            chunk_end = self._chunk_end(r, budget) if prefilling else None
+            if not self._allocate(r, chunk_end):
+                continue
+            if prefilling:
+                prefills.append((r, r.num_computed, chunk_end))
+                budget -= chunk_end - r.num_computed
+            else:
+                decodes.append(r)
+                budget -= 1 + (int(r.pending.num_drafts[0]) if r.pending is not None else 0)
+        while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+            r = self.waiting[0]
+            r.num_computed = self.kv.add(r.id, r.token_ids)
+            prefilling = r.num_computed < len(r.token_ids) - 1
+            chunk_end = self._chunk_end(r, budget) if prefilling else None
+            if not self.kv.ensure(r.id, *self._needs(r, chunk_end)):
+                self.kv.free(r.id)
+                if not self.running:
+                    self.waiting.popleft()
+                    self._fail(r, f"request {r.id} needs more KV cache blocks than the pool holds; "
+                                  f"raise kv.num_blocks or lower max_new_tokens.")
+                    continue
+                break
+            self.waiting.popleft()
+            r.status = "running"
+            self.running.append(r)
+            if prefilling:
+                prefills.append((r, r.num_computed, chunk_end))
+                budget -= chunk_end - r.num_computed
+            else:
+                decodes.append(r)
+                budget -= 1
+        return prefills, decodes
+
+    def _allocate(self, r: Request, chunk_end: int | None) -> bool:
+        """Blocks for ``r``'s work this step, preempting the latest-admitted requests if the pool
+        runs dry. False if ``r`` itself was preempted."""
+        while not self.kv.ensure(r.id, *self._needs(r, chunk_end)):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is r:
+                return False
+        return True
+
+    def _preempt(self, r: Request) -> None:
+        """Drop ``r``'s cache; it is recomputed from its committed tokens later."""
+        self.running.remove(r)
+        self.kv.free(r.id)
+        self.drafter.release(r.id)
+        r.num_computed, r.pending, r.status = 0, None, "waiting"
+        r.num_preemptions += 1
+        self.waiting.appendleft(r)
+
+    # ------------------------------------------------------------------ forwards
+    @torch.no_grad()
+    def _prefill(self, chunks: list[tuple[Request, int, int]]) -> list[torch.Tensor]:
+        """Target over each chunk [c0, c1); returns hidden states [c1 - c0, H] per chunk."""
+        T = max(c1 - c0 for _, c0, c1 in chunks)
+        ids = torch.zeros(len(chunks), T, dtype=torch.long)
+        positions = torch.zeros(len(chunks), T, dtype=torch.long)
+        valid = torch.zeros(len(chunks), T, dtype=torch.bool)
+        for b, (r, c0, c1) in enumerate(chunks):
+            ids[b, : c1 - c0] = torch.tensor(r.token_ids[c0:c1])
+            positions[b] = torch.arange(c0, c0 + T).clamp(max=c1 - 1)
+            valid[b, : c1 - c0] = True
+        ids, positions, valid = ids.to(self.device), positions.to(self.device), valid.to(self.device)
+        caches = self.kv.target_caches([r.id for r, _, _ in chunks], positions, valid)
+        hidden = self.clock(self.model, ids, positions, caches)  # [B, T, H]
+        return [hidden[b, : c1 - c0] for b, (_, c0, c1) in enumerate(chunks)]
+
+    def _batch_drafts(self, decodes: list[Request]) -> Drafts:
+        """Stack the pending drafts of ``decodes`` into one padded batch."""
+        rows = [r.pending or Drafts.empty(1, self.device) for r in decodes]
+        k = max(d.tokens.shape[1] for d in rows)
+        tokens = torch.stack([F.pad(d.tokens[0], (0, k - d.tokens.shape[1])) for d in rows]).to(self.device)
+        num = torch.cat([d.num_drafts for d in rows]).to(self.device)
+        probs = None
+        if any(d.probs is not None for d in rows):
+            V = next(d.probs for d in rows if d.probs is not None).shape[-1]
+            probs = torch.stack([
+                F.pad(d.probs[0], (0, 0, 0, k - d.probs.shape[1])) if d.probs is not None
+                else F.one_hot(tokens[b], V).float() for b, d in enumerate(rows)]).to(self.device)
+        return Drafts(tokens, num, probs)
+
+    # ------------------------------------------------------------------ outputs
+    def _append(self, r: Request, tokens: list[int]) -> None:
+        """Commit ``tokens`` one by one, stopping at EOS, a stop string or a length limit."""
+        for t in tokens:
+            r.token_ids.append(int(t))
+            if r.first_token_time is None:
+                r.first_token_time = time.perf_counter()
+            if int(t) in self.eos_ids:
+                return self._finish(r, "stop")
+            if r.stop and self.tokenizer is not None:
+                text = self.tokenizer.decode(r.output_token_ids)
+                hit = [text.find(s) for s in r.stop if s in text]
+                if hit:
+                    return self._finish(r, "stop", text[: min(hit)])
+            if len(r.output_token_ids) >= r.max_new_tokens or len(r.token_ids) >= self.max_model_len:
+                return self._finish(r, "length")
+
+    def _finish(self, r: Request, reason: str, text: str | None = None) -> None:
+        r.status, r.finish_reason, r.finish_time = "finished", reason, time.perf_counter()
+        if text is not None:
+            r.text = text
+        elif self.tokenizer is not None:
+            r.text = self.tokenizer.decode(r.output_token_ids)
+
+    def _fail(self, r: Request, message: str) -> None:
+        r.error = message
+        r.status, r.finish_reason, r.finish_time = "finished", "error", time.perf_counter()
+
+    def _release(self, r: Request) -> None:
+        if r in self.running:
+            self.running.remove(r)
+        self.kv.free(r.id)
+        self.drafter.release(r.id)
+
+    # ------------------------------------------------------------------ checks
+    def _check_drafts(self, spans: Sequence[DraftSpan], proposed: Drafts) -> None:
+        """Every draft against :func:`reference_draft_logits` (fresh, uncached, per request)."""
+        atol = self.config.check_drafts_atol
+        D = getattr(self.drafter, "num_depths", 0)
+        for b, span in enumerate(spans):
+            n = int(proposed.num_drafts[b])
+            if n == 0 or proposed.logits is None:
+                continue
+            r = span.request
+            drafts = proposed.tokens[b, :n]
+            ref = reference_draft_logits(self.model, torch.tensor(r.token_ids, device=self.device), drafts,
+                                         self.drafter.lookahead, D)  # [n, V]
+            mine = proposed.logits[b, :n]
+            for s in range(n):
+                diff = float((mine[s] - ref[s]).abs().max())
+                d = int(drafts[s])
+                greedy_off = r.sampling.greedy and float(ref[s].max() - ref[s][d]) > atol
+                if diff > atol or greedy_off:
+                    depth = s if s < self.drafter.lookahead else s % D
+                    raise DraftCheckError(
+                        f"check_drafts: request {r.id}, draft {s + 1} of {n} (depth {depth}) after "
+                        f"{len(r.token_ids)} committed tokens: draft token {d}, reference argmax "
+                        f"{int(ref[s].argmax())}, max |logit diff| {diff:.2e} > {atol:g}.")
+
+
+def _row(drafts: Drafts, b: int) -> Drafts:
+    n = int(drafts.num_drafts[b])
+    return Drafts(drafts.tokens[b: b + 1, :n], drafts.num_drafts[b: b + 1],
+                  drafts.probs[b: b + 1, :n] if drafts.probs is not None else None)
