@@ -1,17 +1,19 @@
-"""The serving cache: one paged block pool per cache group, shared by all requests.
+"""The serving cache: paged block pools shared by all requests.
 
 Every byte of cache the engine uses lives here. A *cache group* is a set of layers that hold
-the same positions and so share one block table per request:
+the same positions and so share one block table per request. Attention state and conv state
+live in separate groups because they are kept for different spans:
 
-* ``target/full``: the target's global-attention layers;
-* ``target/sliding``: the target's sliding-window layers (old blocks are freed);
-* ``draft/d``: MTP depth ``d`` (full or sliding per ``mtp_config.local_layer_ids``).
+* ``target/full:kv``: keys/values of the target's global layers, every position;
+* ``target/sliding:kv``: keys/values of the sliding-window layers (blocks that left the window
+  are freed);
+* ``draft/d:kv``: keys/values of MTP depth ``d`` (full or sliding per ``mtp_config.local_layer_ids``);
+* ``<group>:conv``: the inputs of the four short convolutions of the same layers, a sliding
+  window of ``conv_kernel_size`` positions (conv state is cache state, indexed like KV).
 
-Each group owns a :class:`BlockPool` of ``num_blocks`` blocks of ``block_size`` positions; a
-block holds, for every layer of the group, keys, values and the inputs of the four short
-convolutions at those positions (conv state is cache state, indexed like KV). Slot ``p % bs``
-of the request's block ``p // bs`` holds position ``p``; each slot also records which position
-it holds, so a slot that was never written, was invalidated, or belonged to a block's previous
+Each group owns a :class:`BlockPool` of blocks of ``block_size`` positions. Slot ``p % bs`` of
+the request's block ``p // bs`` holds position ``p``, and every slot records which position it
+holds, so a slot that was never written, was invalidated, or belonged to a block's previous
 owner is never read (masked for attention, zeros for the convs).
 
 Rules from the design (§3):
@@ -20,8 +22,8 @@ Rules from the design (§3):
   positions and the ``lookahead`` tokens after it are committed (``num_final`` below), and the
   block's hash covers those lookahead tokens, because MTP depth ``s`` at position ``t`` reads
   tokens up to ``t + s + 1``. Freed blocks stay findable until evicted (LRU);
-* sliding-window groups free blocks that left the window, but keep ``lookahead - 1`` extra
-  positions for the drafter's re-prefill;
+* windowed groups (sliding attention, conv state) free blocks no future query can read, but
+  keep ``lookahead - 1`` extra positions for the drafter's re-prefill;
 * one extra *scratch* block per group absorbs writes of padding tokens.
 """
 
@@ -91,85 +93,80 @@ class BlockPool:
             self.block_hash[block] = h
 
 
-class LayerStorage:
-    """Slots of one layer: keys, values and the four conv input streams, [slots, ...]."""
-
-    def __init__(self, slots: int, num_kv_heads: int, head_dim: int, conv_channels: Sequence[int],
-                 dtype: torch.dtype, device: torch.device):
-        self.k = torch.zeros(slots, num_kv_heads, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
-        self.conv = [torch.zeros(slots, c, dtype=dtype, device=device) for c in conv_channels]
-        assert len(self.conv) == NUM_CONV_STREAMS
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in [self.k, self.v, *self.conv])
-
-
 @dataclass
 class CacheGroup:
     name: str
-    window: int | None  # sliding window, None for full attention
-    layers: list[LayerStorage]
+    window: int | None  # positions a query reads back (sliding window, conv kernel); None: all
+    layers: list[list[torch.Tensor]]  # per layer: [k, v] or the four conv streams, each [slots, ...]
     pool: BlockPool
     slot_pos: torch.Tensor  # [(num_blocks + 1) * block_size] position each slot holds, or EMPTY
+    draft: bool  # written by drafter spans (else by target forwards)
 
     @property
     def scratch_slot(self) -> int:
         return self.pool.num_blocks * (self.slot_pos.numel() // (self.pool.num_blocks + 1))
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer)
+
 
 class GroupView:
     """Where one forward's tokens go in one group, and what they may read.
 
-    Built once per forward and group, shared by all layers of the group. Writing the slot
-    positions happens here (before the layers write the data); nothing reads in between.
+    Built once per forward and group, shared by all layers of the group. The slot positions
+    are written here (before the layers write the data); nothing reads in between.
     """
 
     def __init__(self, group: CacheGroup, tables: list[list[int]], positions: torch.Tensor,
                  valid: torch.Tensor, block_size: int):
         device = positions.device
-        B, T = positions.shape
-        self.group, self.bs = group, block_size
+        B = positions.shape[0]
+        self.group, self.bs, self.positions, self.valid = group, block_size, positions, valid
         width = max(1, max(len(t) for t in tables))
         table = torch.full((B, width), -1, dtype=torch.long)
         for b, t in enumerate(tables):
             table[b, : len(t)] = torch.tensor(t, dtype=torch.long)
         self.table = table.to(device)  # [B, nb]
-        scratch = group.scratch_slot
 
         blk = positions // block_size  # [B, T]
         phys = self.table.gather(1, blk.clamp(0, width - 1))  # [B, T]
         ok = valid & (blk < width) & (phys >= 0)
         if bool((valid & ~ok).any()):
             raise RuntimeError(f"cache group {group.name}: a token has no block (engine did not allocate)")
-        self.write_slots = torch.where(ok, phys * block_size + positions % block_size, scratch).reshape(-1)  # [B*T]
+        self.write_slots = torch.where(ok, phys * block_size + positions % block_size,
+                                       group.scratch_slot).reshape(-1)  # [B*T]
         group.slot_pos[self.write_slots[ok.reshape(-1)]] = positions[ok]
-
-        # keys: the blocks any query of this forward can see
-        lo = 0
-        if group.window is not None and bool(valid.any()):
-            lo = max(0, int(positions[valid].min()) - group.window + 1) // block_size
-        hi = int(positions[valid].max()) // block_size + 1 if bool(valid.any()) else 1
-        hi = max(lo + 1, min(hi, width))
-        key_table = self.table[:, lo:hi]  # [B, nk]
-        offsets = torch.arange(block_size, device=device)
-        logical = ((torch.arange(lo, hi, device=device) * block_size)[:, None] + offsets).reshape(-1)  # [S]
-        slots = (key_table[:, :, None] * block_size + offsets).reshape(B, -1)  # [B, S]
-        present = (key_table >= 0)[:, :, None].expand(-1, -1, block_size).reshape(B, -1)
-        self.key_slots = torch.where(present, slots, scratch)  # [B, S]
-        held = group.slot_pos[self.key_slots]  # [B, S]
-        self.key_positions = torch.where(held == logical, logical, EMPTY_POSITION)  # [B, S]
-        self._positions = positions
+        self._keys: tuple[torch.Tensor, torch.Tensor] | None = None
         self._windows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def keys(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key_slots [B, S], key_positions [B, S]) of the blocks any query here can see."""
+        if self._keys is None:
+            bs, group, valid, positions = self.bs, self.group, self.valid, self.positions
+            device, B, width = positions.device, positions.shape[0], self.table.shape[1]
+            any_valid = bool(valid.any())
+            lo = 0
+            if group.window is not None and any_valid:
+                lo = max(0, int(positions[valid].min()) - group.window + 1) // bs
+            hi = int(positions[valid].max()) // bs + 1 if any_valid else 1
+            hi = max(lo + 1, min(hi, width))
+            key_table = self.table[:, lo:hi]  # [B, nk]
+            offsets = torch.arange(bs, device=device)
+            logical = ((torch.arange(lo, hi, device=device) * bs)[:, None] + offsets).reshape(-1)  # [S]
+            slots = (key_table[:, :, None] * bs + offsets).reshape(B, -1)  # [B, S]
+            present = (key_table >= 0)[:, :, None].expand(-1, -1, bs).reshape(B, -1)
+            key_slots = torch.where(present, slots, group.scratch_slot)  # [B, S]
+            held = group.slot_pos[key_slots]  # [B, S]
+            self._keys = key_slots, torch.where(held == logical, logical, EMPTY_POSITION)
+        return self._keys
 
     def conv_window(self, kernel_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots [B, T, K], ok [B, T, K]) for positions p-K+1 .. p of every token."""
         if kernel_size not in self._windows:
-            want = self._positions[:, :, None] + torch.arange(-(kernel_size - 1), 1, device=self._positions.device)
+            want = self.positions[:, :, None] + torch.arange(-(kernel_size - 1), 1, device=self.positions.device)
             blk = want.clamp(min=0) // self.bs  # [B, T, K]
-            width = self.table.shape[1]
-            B = want.shape[0]
+            width, B = self.table.shape[1], want.shape[0]
             phys = self.table.gather(1, blk.clamp(max=width - 1).reshape(B, -1)).reshape(want.shape)
             slots = torch.where(phys >= 0, phys * self.bs + want.clamp(min=0) % self.bs, self.group.scratch_slot)
             ok = (want >= 0) & (blk < width) & (phys >= 0) & (self.group.slot_pos[slots] == want)
@@ -178,29 +175,28 @@ class GroupView:
 
 
 class PagedLayerCache:
-    """:class:`~inkfw.cache.interface.LayerCache` of one layer over a :class:`GroupView`."""
+    """:class:`~inkfw.cache.interface.LayerCache` of one layer: its KV in one group's view, its
+    conv inputs in another's."""
 
-    def __init__(self, view: GroupView, storage: LayerStorage):
-        self.view, self.storage = view, storage
+    def __init__(self, kv_view: GroupView, kv: list[torch.Tensor], conv_view: GroupView, conv: list[torch.Tensor]):
+        self.kv_view, self.kv, self.conv_view, self.conv = kv_view, kv, conv_view, conv
 
     def update_kv(self, k, v, positions):
-        s, vw = self.storage, self.view
-        s.k.index_copy_(0, vw.write_slots, k.reshape(-1, *k.shape[2:]).to(s.k.dtype))
-        s.v.index_copy_(0, vw.write_slots, v.reshape(-1, *v.shape[2:]).to(s.v.dtype))
-        return s.k[vw.key_slots], s.v[vw.key_slots], vw.key_positions  # [B, S, Hkv, D] x2, [B, S]
+        (ks, vs), slots = self.kv, self.kv_view.write_slots
+        ks.index_copy_(0, slots, k.reshape(-1, *k.shape[2:]).to(ks.dtype))
+        vs.index_copy_(0, slots, v.reshape(-1, *v.shape[2:]).to(vs.dtype))
+        key_slots, key_positions = self.kv_view.keys()
+        return ks[key_slots], vs[key_slots], key_positions  # [B, S, Hkv, D] x2, [B, S]
 
     def conv_window(self, stream, x, positions, kernel_size):
-        store = self.storage.conv[stream]
-        store.index_copy_(0, self.view.write_slots, x.reshape(-1, x.shape[-1]).to(store.dtype))
-        slots, ok = self.view.conv_window(kernel_size)
+        store = self.conv[stream]
+        store.index_copy_(0, self.conv_view.write_slots, x.reshape(-1, x.shape[-1]).to(store.dtype))
+        slots, ok = self.conv_view.conv_window(kernel_size)
         return store[slots].masked_fill(~ok[..., None], 0.0)  # [B, T, K, C]
 
 
-def _block_shapes(block) -> tuple[int, int, tuple[int, int, int, int]]:
-    attn = block.attn
-    kv = attn.num_kv_heads * attn.head_dim
-    hidden = block.attn_norm.weight.shape[0]
-    return attn.num_kv_heads, attn.head_dim, (kv, kv, hidden, hidden)
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 class PagedKVManager:
@@ -208,48 +204,74 @@ class PagedKVManager:
 
     ``lookahead``: how many tokens after a position the drafter's state at that position
     depends on (P for MTP drafting, 0 without a drafter cache); it sets what is final.
+    ``num_blocks``: blocks of each full-attention group (None: ``max_num_seqs`` requests of
+    ``max_model_len``); ``num_window_blocks``: blocks of each windowed group (sliding
+    attention, conv state; None: enough for every request's window plus one step's tokens).
+    A pool that runs dry makes the engine preempt a request, never fail.
     """
 
     def __init__(self, model, num_draft_depths: int = 0, lookahead: int = 0, block_size: int = 16,
-                 num_blocks: int | None = None, enable_prefix_caching: bool = True,
-                 max_model_len: int | None = None, max_num_seqs: int = 16,
+                 num_blocks: int | None = None, num_window_blocks: int | None = None,
+                 enable_prefix_caching: bool = True, max_model_len: int | None = None,
+                 max_num_seqs: int = 16, max_num_batched_tokens: int = 512, num_draft_tokens: int | None = None,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None):
-        if not isinstance(block_size, int) or block_size < 1:
-            raise ConfigError(f"kv.block_size must be an integer >= 1, got {block_size!r}.")
-        if num_blocks is not None and (not isinstance(num_blocks, int) or num_blocks < 1):
-            raise ConfigError(f"kv.num_blocks must be null or an integer >= 1, got {num_blocks!r}.")
+        for name, value in (("block_size", block_size), ("num_blocks", num_blocks),
+                            ("num_window_blocks", num_window_blocks)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ConfigError(f"kv.{name} must be {'null or ' if name != 'block_size' else ''}"
+                                  f"an integer >= 1, got {value!r}.")
         param = next(model.parameters())
         dtype, device = dtype or param.dtype, torch.device(device or param.device)
         cfg = model.cfg
         max_model_len = max_model_len or cfg.max_position_embeddings
-        if num_blocks is None:  # enough for max_num_seqs full-length requests
-            num_blocks = max_num_seqs * (-(-max_model_len // block_size) + 1)
-        self.block_size, self.num_blocks = block_size, num_blocks
-        self.lookahead = lookahead
+        k = lookahead if num_draft_tokens is None else num_draft_tokens
+        bs = block_size
+        self.block_size, self.lookahead = bs, lookahead
         self.enable_prefix_caching = enable_prefix_caching
-        self.conv_kernel_size = cfg.conv_kernel_size
-        slots = (num_blocks + 1) * block_size  # + the scratch block
+        self.conv_kernel_size = K = cfg.conv_kernel_size
+        full_blocks = num_blocks or max_num_seqs * _cdiv(max_model_len, bs)
 
-        def new_group(name: str, window: int | None, blocks: list) -> int:
-            layers = [LayerStorage(slots, *_block_shapes(b), dtype=dtype, device=device) for b in blocks]
-            slot_pos = torch.full((slots,), EMPTY_POSITION, dtype=torch.long, device=device)
-            self.groups.append(CacheGroup(name, window, layers, BlockPool(num_blocks), slot_pos))
-            return len(self.groups) - 1
+        def window_blocks(window: int) -> int:
+            if num_window_blocks:
+                return num_window_blocks
+            per_request = _cdiv(window + lookahead + 2 * k + 2, bs) + 2
+            return min(full_blocks + max_num_seqs, max_num_seqs * per_request + _cdiv(max_num_batched_tokens, bs))
 
         self.groups: list[CacheGroup] = []
-        self.target_layout: list[tuple[int, int]] = []  # per target layer: (group, index in group)
+
+        def new_group(name: str, window: int | None, shapes: list[list[tuple[int, ...]]], draft: bool) -> int:
+            blocks = full_blocks if window is None else window_blocks(window)
+            slots = (blocks + 1) * bs  # + the scratch block
+            layers = [[torch.zeros(slots, *s, dtype=dtype, device=device) for s in layer] for layer in shapes]
+            slot_pos = torch.full((slots,), EMPTY_POSITION, dtype=torch.long, device=device)
+            self.groups.append(CacheGroup(name, window, layers, BlockPool(blocks), slot_pos, draft))
+            return len(self.groups) - 1
+
+        def kv_shape(block) -> list[tuple[int, ...]]:
+            return [(block.attn.num_kv_heads, block.attn.head_dim)] * 2
+
+        def conv_shape(block) -> list[tuple[int, ...]]:
+            kv, hidden = block.attn.num_kv_heads * block.attn.head_dim, block.attn_norm.weight.shape[0]
+            shapes = [(kv,), (kv,), (hidden,), (hidden,)]  # K_SCONV, V_SCONV, ATTN_SCONV, MLP_SCONV
+            assert len(shapes) == NUM_CONV_STREAMS
+            return shapes
+
+        def add_layers(name: str, window: int | None, blocks: list, draft: bool) -> tuple[int, int]:
+            kv = new_group(f"{name}:kv", window, [kv_shape(b) for b in blocks], draft)
+            conv = new_group(f"{name}:conv", K, [conv_shape(b) for b in blocks], draft)
+            return kv, conv
+
         layers = list(model.backbone.layers)
+        layout: dict[int, tuple[int, int, int]] = {}  # target layer -> (kv group, conv group, index)
         for kind, window in (("full", None), ("sliding", cfg.sliding_window)):
             members = [i for i, layer in enumerate(layers) if (layer.attn.window is not None) == (kind == "sliding")]
             if members:
-                g = new_group(f"target/{kind}", window, [layers[i] for i in members])
-                for j, i in enumerate(members):
-                    self.target_layout.append((i, g, j))
-        self.target_layout = [(g, j) for _, g, j in sorted(self.target_layout)]
-        self.draft_groups: list[int] = []
-        if num_draft_depths:
-            for d, depth in enumerate(list(model.mtp.depths)[:num_draft_depths]):
-                self.draft_groups.append(new_group(f"draft/{d}", depth.block.attn.window, [depth.block]))
+                kv, conv = add_layers(f"target/{kind}", window, [layers[i] for i in members], draft=False)
+                layout.update({i: (kv, conv, j) for j, i in enumerate(members)})
+        self.target_layout = [layout[i] for i in range(len(layers))]
+        self.draft_layout: list[tuple[int, int]] = []
+        for d, depth in enumerate(list(model.mtp.depths)[:num_draft_depths] if num_draft_depths else []):
+            self.draft_layout.append(add_layers(f"draft/{d}", depth.block.attn.window, [depth.block], draft=True))
         self.device = device
         self._tables: dict[Hashable, list[list[int]]] = {}
         self._hashes: dict[Hashable, list[bytes]] = {}  # registered block hashes, in order
@@ -268,7 +290,11 @@ class PagedKVManager:
 
     @property
     def nbytes(self) -> int:
-        return sum(s.nbytes for g in self.groups for s in g.layers)
+        return sum(g.nbytes for g in self.groups)
+
+    @property
+    def draft_groups(self) -> list[int]:
+        return [i for i, g in enumerate(self.groups) if g.draft]
 
     def _needed_from(self, group: CacheGroup, first_query: int) -> int:
         """First position a query at ``first_query`` or later can read in ``group``."""
@@ -319,21 +345,21 @@ class PagedKVManager:
     def ensure(self, rid: Hashable, target_end: int, draft_end: int) -> bool:
         """Give ``rid`` blocks for target positions < ``target_end`` and draft positions <
         ``draft_end``. False when a pool ran out (what was allocated stays with ``rid``)."""
-        tables = self._tables[rid]
-        for gi, (g, table) in enumerate(zip(self.groups, tables)):
-            end = draft_end if gi in self.draft_groups else target_end
-            need = -(-end // self.block_size)
+        bs = self.block_size
+        for g, table in zip(self.groups, self._tables[rid]):
+            need = _cdiv(draft_end if g.draft else target_end, bs)
             while len(table) < need:
                 block = g.pool.allocate()
                 if block is None:
                     return False
-                g.slot_pos[block * self.block_size: (block + 1) * self.block_size] = EMPTY_POSITION
+                g.slot_pos[block * bs: (block + 1) * bs] = EMPTY_POSITION
                 table.append(block)
         return True
 
     def free(self, rid: Hashable) -> None:
-        """Release every block of ``rid`` (tail blocks first, so they are evicted first)."""
-        for g, table in zip(self.groups, self._tables.pop(rid)):
+        """Release every block of ``rid`` (tail blocks first, so they are evicted first); a
+        request that holds nothing is ignored."""
+        for g, table in zip(self.groups, self._tables.pop(rid, [])):
             for block in reversed(table):
                 if block >= 0:
                     g.pool.release(block)
@@ -357,7 +383,7 @@ class PagedKVManager:
         self._hashes[rid] = hashes
 
     def trim(self, rid: Hashable, first_query: int) -> None:
-        """Free sliding-window blocks no query at ``first_query`` or later can read."""
+        """Free windowed blocks no query at ``first_query`` or later can read."""
         for g, table in zip(self.groups, self._tables[rid]):
             if g.window is None:
                 continue
@@ -377,19 +403,23 @@ class PagedKVManager:
                       valid: torch.Tensor) -> list[PagedLayerCache]:
         """One cache per target layer for a forward of ``positions`` [B, T] (``valid`` [B, T]:
         padding tokens are False and write to the scratch block)."""
-        views = {g: self._view(g, rids, positions, valid) for g in {g for g, _ in self.target_layout}}
-        return [PagedLayerCache(views[g], self.groups[g].layers[j]) for g, j in self.target_layout]
+        used = {g for kv, conv, _ in self.target_layout for g in (kv, conv)}
+        views = {g: self._view(g, rids, positions, valid) for g in sorted(used)}
+        return [PagedLayerCache(views[kv], self.groups[kv].layers[j], views[conv], self.groups[conv].layers[j])
+                for kv, conv, j in self.target_layout]
 
     def draft_cache(self, depth: int, rids: Sequence[Hashable], positions: torch.Tensor,
                     valid: torch.Tensor) -> PagedLayerCache:
-        g = self.draft_groups[depth]
-        return PagedLayerCache(self._view(g, rids, positions, valid), self.groups[g].layers[0])
+        kv, conv = self.draft_layout[depth]
+        return PagedLayerCache(self._view(kv, rids, positions, valid), self.groups[kv].layers[0],
+                               self._view(conv, rids, positions, valid), self.groups[conv].layers[0])
 
     def invalidate_draft(self, rid: Hashable, start: int, end: int) -> None:
         """Forget draft positions [start, end) in every depth group (decode-step gaps)."""
         bs = self.block_size
-        for gi in self.draft_groups:
-            g, table = self.groups[gi], self._tables[rid][gi]
+        for gi, (g, table) in enumerate(zip(self.groups, self._tables[rid])):
+            if not g.draft:
+                continue
             for p in range(start, end):
                 j = p // bs
                 if j < len(table) and table[j] >= 0:

@@ -51,7 +51,7 @@ class EngineConfig:
                 raise ConfigError(f"engine.{name} must be an integer >= 1, got {v!r}.")
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler tests membership of running lists (O(1) per compare)
 class Request:
     """One generation request and everything the engine tracks about it."""
 
@@ -140,6 +140,8 @@ class Engine:
         if self.config.check_drafts and hasattr(drafter, "keep_logits"):
             drafter.keep_logits = True
         self._ids = itertools.count()
+        self._failed: list[Request] = []
+        self._preempted_this_step = False
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_token_ids: Sequence[int], sampling: SamplingParams | None = None,
@@ -179,8 +181,9 @@ class Engine:
         """One engine step; returns the requests that finished in it."""
         t0 = time.perf_counter()
         fwd0 = self.clock.seconds
+        self._failed: list[Request] = []
         prefills, decodes = self._schedule()
-        finished: list[Request] = []
+        finished: list[Request] = list(self._failed)
         spans: list[DraftSpan] = []
 
         # target: prefill chunks, then verify [x[L-1], drafts] for decoding requests
@@ -263,6 +266,7 @@ class Engine:
 
     def _schedule(self) -> tuple[list[tuple[Request, int, int]], list[Request]]:
         budget = self.config.max_num_batched_tokens
+        self._preempted_this_step = False
         prefills: list[tuple[Request, int, int]] = []
         decodes: list[Request] = []
         for r in list(self.running):
@@ -280,7 +284,8 @@ class Engine:
             else:
                 decodes.append(r)
                 budget -= 1 + (int(r.pending.num_drafts[0]) if r.pending is not None else 0)
-        while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+        while (self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0
+               and not self._preempted_this_step):
             r = self.waiting[0]
             r.num_computed = self.kv.add(r.id, r.token_ids)
             prefilling = r.num_computed < len(r.token_ids) - 1
@@ -308,6 +313,11 @@ class Engine:
         """Blocks for ``r``'s work this step, preempting the latest-admitted requests if the pool
         runs dry. False if ``r`` itself was preempted."""
         while not self.kv.ensure(r.id, *self._needs(r, chunk_end)):
+            if self.running == [r]:  # alone and still too big: it can never fit
+                self._release(r)
+                self._fail(r, f"request {r.id} needs more KV cache blocks than the pool holds "
+                              f"({len(r.token_ids)} tokens so far); raise kv.num_blocks or lower max_new_tokens.")
+                return False
             victim = self.running[-1]
             self._preempt(victim)
             if victim is r:
@@ -319,6 +329,7 @@ class Engine:
         self.running.remove(r)
         self.kv.free(r.id)
         self.drafter.release(r.id)
+        self._preempted_this_step = True
         r.num_computed, r.pending, r.status = 0, None, "waiting"
         r.num_preemptions += 1
         self.waiting.appendleft(r)
@@ -379,6 +390,7 @@ class Engine:
             r.text = self.tokenizer.decode(r.output_token_ids)
 
     def _fail(self, r: Request, message: str) -> None:
+        self._failed.append(r)
         r.error = message
         r.status, r.finish_reason, r.finish_time = "finished", "error", time.perf_counter()
 
