@@ -216,7 +216,7 @@ class Engine:
         if spans:
             proposed = self.drafter.propose(spans, self.kv)
             for b, s in enumerate(spans):
-                s.request.pending = _row(proposed, b)
+                s.request.pending = _row(proposed, b, self.device)
             if self.config.check_drafts:
                 self._check_drafts(spans, proposed)
         t2 = time.perf_counter()
@@ -426,7 +426,8 @@ class Engine:
                         f"{int(ref[s].argmax())}, max |logit diff| {diff:.2e} > {atol:g}.")
 
 
-def _row(drafts: Drafts, b: int) -> Drafts:
+def _row(drafts: Drafts, b: int, device: torch.device) -> Drafts:
+    """Row ``b`` of ``drafts``, trimmed to its own draft count, on ``device``."""
     n = int(drafts.num_drafts[b])
-    return Drafts(drafts.tokens[b: b + 1, :n], drafts.num_drafts[b: b + 1],
-                  drafts.probs[b: b + 1, :n] if drafts.probs is not None else None)
+    return Drafts(drafts.tokens[b: b + 1, :n].to(device), drafts.num_drafts[b: b + 1].to(device),
+                  drafts.probs[b: b + 1, :n].to(device) if drafts.probs is not None else None)

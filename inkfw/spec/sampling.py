@@ -192,10 +192,16 @@ class Sampler:
 
     Each request owns one generator (from :meth:`generator`) for its whole life and passes
     it back on every call; greedy rows are decided by argmax and consume no randomness.
+
+    ``temperature``, ``top_k``, ``top_p`` and ``seed`` are optional defaults (``conf/sampler``)
+    that :attr:`defaults` holds as validated :class:`SamplingParams` for requests that bring
+    none of their own; they change nothing else the sampler does.
     """
 
-    def __init__(self, device: torch.device | str = "cpu"):
+    def __init__(self, device: torch.device | str = "cpu", temperature: float = 0.0, top_k: int | None = None,
+                 top_p: float = 1.0, seed: int | None = None):
         self.device = torch.device(device)
+        self.defaults = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
     def generator(self, params: SamplingParams) -> torch.Generator:
         """A fresh generator for one request: seeded by ``params.seed``, or, without a seed,
