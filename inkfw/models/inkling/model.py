@@ -107,12 +107,13 @@ class InklingLM(nn.Module):
         return self.mtp(depth, hidden, self.mtp_embed(token_ids), positions, cache)
 
     def mtp_chain(self, hidden: torch.Tensor, input_ids: torch.Tensor, num_depths: int | None = None,
-                  positions: torch.Tensor | None = None) -> list[torch.Tensor]:
+                  positions: torch.Tensor | None = None, frozen_depths: int = 0) -> list[torch.Tensor]:
         """Teacher-forced chain over whole sequences (training, reference drafts).
 
         hidden [B, T, H] = target hidden states of input_ids [B, T]. Returns g_1..g_D, each
         [B, T, H]; g_{d+1}[t] predicts x[t+d+2] and is meaningful for t <= T-d-3 (later
         positions read padding tokens beyond the sequence and must be masked by the caller).
+        The first ``frozen_depths`` depths run without autograd (training later depths only).
         """
         depths = self.num_mtp_depths if num_depths is None else num_depths
         if positions is None:
@@ -122,6 +123,7 @@ class InklingLM(nn.Module):
             # tokens x[t+d+1], padded with 0 past the end
             shifted = torch.zeros_like(input_ids)  # [B, T]
             shifted[:, : max(0, input_ids.shape[1] - d - 1)] = input_ids[:, d + 1:]
-            g = self.mtp_step(d, g, shifted, positions)
+            with torch.set_grad_enabled(torch.is_grad_enabled() and d >= frozen_depths):
+                g = self.mtp_step(d, g, shifted, positions)
             outs.append(g)
         return outs

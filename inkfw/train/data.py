@@ -1,0 +1,128 @@
+"""Text data for training: documents, a deterministic split, tokenisation and packing.
+
+Sources: text files, folders (recursively), ``.jsonl`` files with one ``{"text": ...}`` per line,
+and ``stdlib``: the Python standard library's own source files (tests excluded), a corpus that
+exists on every machine without a download.
+
+Packing concatenates documents (each followed by EOS) into rows of ``seq_len`` tokens and
+records every token's document index, so losses can refuse targets that cross a boundary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sysconfig
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from inkfw.errors import ConfigError
+
+TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".jsonl", ".json", ".c", ".h", ".cfg", ".toml", ".yaml", ".yml"}
+STDLIB = "stdlib"
+
+
+@dataclass(frozen=True)
+class Document:
+    name: str  # stable identifier (path, path:line): decides the split
+    text: str
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's ``.py`` files, sorted, without tests, site-packages or idlelib."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "idlelib", "lib2to3"}
+    files = []
+    for p in sorted(root.rglob("*.py")):
+        parts = set(p.relative_to(root).parts[:-1])
+        if parts & skip or p.name.startswith("test_"):
+            continue
+        files.append(p)
+    return files
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise ConfigError(f"data: cannot read {path}: {exc.strerror or exc}.") from exc
+
+
+def _jsonl_documents(path: Path) -> Iterable[Document]:
+    for i, line in enumerate(_read_text(path).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"data: {path} line {i} is not valid JSON ({exc.msg}).") from exc
+        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+            raise ConfigError(f"data: {path} line {i} must be an object with a string field \"text\".")
+        yield Document(f"{path}:{i}", row["text"])
+
+
+def read_documents(sources: Sequence[str]) -> list[Document]:
+    """Documents of every source, in a deterministic order."""
+    if not sources:
+        raise ConfigError("data: no sources given; set data.sources (files, folders, .jsonl, or 'stdlib').")
+    docs: list[Document] = []
+    for source in sources:
+        if source == STDLIB:
+            docs.extend(Document(f"stdlib/{p.name}:{i}", _read_text(p)) for i, p in enumerate(stdlib_files()))
+            continue
+        path = Path(source).expanduser()
+        if not path.exists():
+            raise ConfigError(f"data: source {source} does not exist.")
+        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()
+                                                     and p.suffix in TEXT_SUFFIXES)
+        for f in files:
+            if f.suffix == ".jsonl":
+                docs.extend(_jsonl_documents(f))
+            else:
+                docs.append(Document(str(f), _read_text(f)))
+    docs = [d for d in docs if d.text.strip()]
+    if not docs:
+        raise ConfigError(f"data: the sources {list(sources)} hold no non-empty documents.")
+    return docs
+
+
+def is_validation(doc: Document, val_fraction: float, seed: int = 0) -> bool:
+    """Deterministic split by a hash of the document's name (independent of order and size)."""
+    digest = hashlib.blake2b(f"{seed}:{doc.name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64 < val_fraction
+
+
+def split_documents(docs: Sequence[Document], val_fraction: float, seed: int = 0) -> tuple[list[Document], list[Document]]:
+    if not 0 <= val_fraction < 1:
+        raise ConfigError(f"data.val_fraction must lie in [0, 1), got {val_fraction}.")
+    train, val = [], []
+    for d in docs:
+        (val if is_validation(d, val_fraction, seed) else train).append(d)
+    if val_fraction > 0 and not val and len(train) > 1:
+        val.append(train.pop())  # tiny corpora: keep at least one validation document
+    return train, val
+
+
+def pack(token_lists: Iterable[Sequence[int]], seq_len: int, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenate documents (each + EOS) into rows of ``seq_len``: (input_ids [N, T], doc_ids [N, T]).
+
+    The tail that does not fill a row is dropped; doc ids count documents from 0.
+    """
+    if seq_len < 2:
+        raise ConfigError(f"data.seq_len must be >= 2, got {seq_len}.")
+    ids, docs = [], []
+    for i, tokens in enumerate(token_lists):
+        ids.extend(tokens)
+        ids.append(eos_id)
+        docs.extend([i] * (len(tokens) + 1))
+    rows = len(ids) // seq_len
+    if rows == 0:
+        return torch.zeros(0, seq_len, dtype=torch.long), torch.zeros(0, seq_len, dtype=torch.long)
+    n = rows * seq_len
+    return (torch.tensor(ids[:n], dtype=torch.long).view(rows, seq_len),
+            torch.tensor(docs[:n], dtype=torch.long).view(rows, seq_len))
