@@ -80,7 +80,8 @@ def build_model(model_node: Any, mtp_depths: int | None = None, dtype: str | tor
         return model
     cfg = model_config(node)
     depths = cfg.mtp_depths_to_build(mtp_depths, source=f"preset {node.get('name')!r}")
-    torch.manual_seed(int(node.get("init_seed", 0)))
     model = InklingLM(cfg, mtp_depths=depths, embed_source=embed_source)
+    # seeded right before init: the backbone is the same whatever number of depths is built
+    torch.manual_seed(int(node.get("init_seed", 0)))
     model.init_weights()
     return model.to(device).to_dtype(dtype).eval()

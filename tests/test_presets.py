@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from inkfw.config import InklingConfig
 from inkfw.params import count_parameters
@@ -97,3 +98,13 @@ def test_release_counts_match_published_numbers():
     per_depth = [count_parameters(cfg, mtp_depths=d)["mtp"].total for d in range(9)]
     assert per_depth[0] == 0 and all(a < b for a, b in zip(per_depth, per_depth[1:]))
     assert per_depth[8] == counts["mtp"].total
+
+
+def test_random_preset_weights_do_not_depend_on_depth_count():
+    """The same preset serves every drafter: building fewer depths changes no shared weight."""
+    node = OmegaConf.load(CONF / "model" / "inkling-debug.yaml")
+    full = build_model(node, mtp_depths=4).state_dict()
+    for depths in (0, 2):
+        part = build_model(node, mtp_depths=depths).state_dict()
+        assert part.keys() <= full.keys()
+        assert all(torch.equal(part[k], full[k]) for k in part)
