@@ -17,7 +17,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import lightning as L
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 from inkfw.errors import ConfigError
 
@@ -126,3 +128,64 @@ def pack(token_lists: Iterable[Sequence[int]], seq_len: int, eos_id: int) -> tup
     n = rows * seq_len
     return (torch.tensor(ids[:n], dtype=torch.long).view(rows, seq_len),
             torch.tensor(docs[:n], dtype=torch.long).view(rows, seq_len))
+
+
+def load_tokenizer(path: str | Path):
+    """A ``tokenizers.Tokenizer`` from ``tokenizer.json`` (one clear error if it cannot be read)."""
+    from tokenizers import Tokenizer
+
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"data: tokenizer file {path} does not exist.")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises plain Exceptions
+        raise ConfigError(f"data: {path} is not a readable tokenizer.json ({str(exc).splitlines()[0]}).") from exc
+
+
+def tokenize(tokenizer, docs: Sequence[Document]) -> list[list[int]]:
+    return [e.ids for e in tokenizer.encode_batch([d.text for d in docs], add_special_tokens=False)]
+
+
+class TextDataModule(L.LightningDataModule):
+    """Packed rows ``(input_ids [T], doc_ids [T])`` of a deterministic train/validation split."""
+
+    def __init__(self, sources: Sequence[str], tokenizer_path: str | Path, seq_len: int = 256,
+                 batch_size: int = 8, val_fraction: float = 0.02, seed: int = 0, eos_id: int = 2,
+                 vocab_size: int | None = None, max_documents: int | None = None, num_workers: int = 0):
+        super().__init__()
+        self.sources, self.tokenizer_path = list(sources), tokenizer_path
+        self.seq_len, self.batch_size, self.val_fraction, self.seed = seq_len, batch_size, val_fraction, seed
+        self.eos_id, self.vocab_size, self.max_documents = eos_id, vocab_size, max_documents
+        self.num_workers = num_workers
+        self.train_set = self.val_set = None
+        self.val_documents: list[Document] = []
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        tokenizer = load_tokenizer(self.tokenizer_path)
+        if self.vocab_size is not None and tokenizer.get_vocab_size() > self.vocab_size:
+            raise ConfigError(f"data: the tokenizer has {tokenizer.get_vocab_size()} tokens but the model's "
+                              f"vocabulary holds {self.vocab_size}; use the checkpoint's tokenizer.json.")
+        docs = read_documents(self.sources)
+        if self.max_documents:
+            docs = docs[: self.max_documents]
+        train, val = split_documents(docs, self.val_fraction, self.seed)
+        self.val_documents = val
+        sets = []
+        for part in (train, val):
+            ids, doc = pack(tokenize(tokenizer, part), self.seq_len, self.eos_id)
+            sets.append(TensorDataset(ids, doc))
+        self.train_set, self.val_set = sets
+        if len(self.train_set) < 1:
+            raise ConfigError(f"data: the training split holds fewer than {self.seq_len} tokens; add data or "
+                              f"lower data.seq_len.")
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(self.seed)
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, generator=g, drop_last=True,
+                          num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)

@@ -1,0 +1,31 @@
+"""Train a byte-level BPE ``tokenizer.json`` on a corpus (``scripts/train_tokenizer.py``).
+
+Ids 0, 1, 2 are ``<pad>``, ``<bos>``, ``<eos>``, matching Inkling configs' pad/bos/eos ids.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from inkfw.errors import ConfigError
+from inkfw.train.data import read_documents
+
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]
+
+
+def train_tokenizer(sources: list[str], vocab_size: int, out: str | Path, max_documents: int | None = None) -> Path:
+    if vocab_size < 260:
+        raise ConfigError(f"vocab_size must be >= 260 (256 bytes + special tokens), got {vocab_size}.")
+    docs = read_documents(sources)[:max_documents]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator((d.text for d in docs), trainer=trainer, length=len(docs))
+    out = Path(out).expanduser()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out))
+    return out

@@ -1,0 +1,80 @@
+"""The training recipe end to end: tokenizer -> pretrain -> export -> MTP depths -> infer."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+
+
+def _run(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], cwd=cwd, env=ENV,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("train")
+    tok = tmp / "tokenizer.json"
+    r = _run("train_tokenizer.py", "vocab_size=400", f"out={tok}", "max_documents=40", cwd=tmp)
+    assert r.returncode == 0, r.stderr
+    r = _run("train.py", "experiment=debug-pretrain", f"data.tokenizer={tok}", f"output_dir={tmp}/pre", cwd=tmp)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return tmp
+
+
+def test_pretrain_exports_a_checkpoint_that_infer_loads(pretrained):
+    export = pretrained / "pre" / "export"
+    assert json.loads((export / "config.json").read_text())["mtp_config"]["num_nextn_predict_layers"] == 4
+    assert (export / "tokenizer.json").is_file()
+    # the W&B offline run holds the logged keys (the .wandb record log stores key names verbatim)
+    runs = list((pretrained / "pre" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1, "no offline W&B run"
+    data = runs[0].read_bytes()
+    for key in ("train/loss", "train/lr", "train/lm_ce", "train/depth0/agreement", "train/depth3/ce",
+                "train/simulated_acceptance_length", "train/tokens_per_s", "val/loss", "val/depth0/agreement"):
+        assert key.encode() in data, key
+    out = pretrained / "infer.json"
+    r = _run("infer.py", "model=inkling", f"model.path={export}", 'prompt="def f():"', "max_new_tokens=4",
+             f"output.json={out}", f"hydra.run.dir={pretrained}/h", cwd=pretrained)
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(out.read_text())["requests"][0]["token_ids"]) == 4
+
+
+def test_mtp_task_adds_depths(pretrained):
+    export = pretrained / "pre" / "export"
+    r = _run("train.py", "task=mtp", f"model.path={export}", "mtp.depths=6", "trainer.max_steps=2",
+             "data.seq_len=32", "data.batch_size=2", "data.max_documents=20", "logger=csv",
+             f"output_dir={pretrained}/mtp", cwd=pretrained)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cfg = json.loads((pretrained / "mtp" / "export" / "config.json").read_text())
+    assert cfg["mtp_config"]["num_nextn_predict_layers"] == 6
+
+
+@pytest.mark.parametrize("args, message", [
+    (["mtp.train_from=6"], "train_from"),
+    (["data.sources=[/nonexistent/corpus]"], "does not exist"),
+])
+def test_bad_input_is_one_line(pretrained, args, message):
+    export = pretrained / "pre" / "export"
+    r = _run("train.py", "task=mtp", f"model.path={export}", "mtp.depths=6", "logger=csv",
+             f"output_dir={pretrained}/bad", *args, cwd=pretrained)
+    assert r.returncode == 2
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
+
+
+def test_tokenizer_that_does_not_fit_is_rejected(pretrained, tmp_path):
+    big = tmp_path / "big.json"
+    assert _run("train_tokenizer.py", "vocab_size=700", f"out={big}", "max_documents=40", cwd=tmp_path).returncode == 0
+    export = pretrained / "pre" / "export"
+    r = _run("train.py", "task=mtp", f"model.path={export}", f"data.tokenizer={big}", "logger=csv",
+             f"output_dir={tmp_path}/run", cwd=tmp_path)
+    assert r.returncode == 2 and "tokenizer has" in r.stderr, r.stderr
