@@ -1,0 +1,16 @@
+"""Engine benchmark: overhead (step time / forward time), tokens/s and KV bytes per configuration."""
+
+import hydra
+from omegaconf import DictConfig
+
+from inkfw.bench import run_bench
+from inkfw.cli import run_user_command
+
+
+@hydra.main(config_path="../conf", config_name="bench", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    run_user_command(run_bench, cfg)
+
+
+if __name__ == "__main__":
+    main()
