@@ -124,10 +124,8 @@ class GroupView:
         B = positions.shape[0]
         self.group, self.bs, self.positions, self.valid = group, block_size, positions, valid
         width = max(1, max(len(t) for t in tables))
-        table = torch.full((B, width), -1, dtype=torch.long)
-        for b, t in enumerate(tables):
-            table[b, : len(t)] = torch.tensor(t, dtype=torch.long)
-        self.table = table.to(device)  # [B, nb]
+        self.table = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.long,
+                                  device=device)  # [B, nb]
 
         blk = positions // block_size  # [B, T]
         phys = self.table.gather(1, blk.clamp(0, width - 1))  # [B, T]
@@ -186,13 +184,17 @@ class PagedLayerCache:
         ks.index_copy_(0, slots, k.reshape(-1, *k.shape[2:]).to(ks.dtype))
         vs.index_copy_(0, slots, v.reshape(-1, *v.shape[2:]).to(vs.dtype))
         key_slots, key_positions = self.kv_view.keys()
-        return ks[key_slots], vs[key_slots], key_positions  # [B, S, Hkv, D] x2, [B, S]
+        flat = key_slots.reshape(-1)
+        shape = (*key_slots.shape, *ks.shape[1:])
+        return (ks.index_select(0, flat).view(shape), vs.index_select(0, flat).view(shape),
+                key_positions)  # [B, S, Hkv, D] x2, [B, S]
 
     def conv_window(self, stream, x, positions, kernel_size):
         store = self.conv[stream]
         store.index_copy_(0, self.conv_view.write_slots, x.reshape(-1, x.shape[-1]).to(store.dtype))
         slots, ok = self.conv_view.conv_window(kernel_size)
-        return store[slots].masked_fill(~ok[..., None], 0.0)  # [B, T, K, C]
+        window = store.index_select(0, slots.reshape(-1)).view(*slots.shape, store.shape[-1])
+        return window.masked_fill(~ok[..., None], 0.0)  # [B, T, K, C]
 
 
 def _cdiv(a: int, b: int) -> int:
