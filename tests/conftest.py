@@ -78,3 +78,6 @@ def cfg() -> InklingConfig:
 def model(cfg) -> InklingLM:
     torch.manual_seed(0)
     return randomize_(InklingLM(cfg, mtp_depths=cfg.mtp.num_nextn_predict_layers)).eval()
+
+# tiny models: one intra-op thread is faster and immune to other jobs on a shared machine
+torch.set_num_threads(1)

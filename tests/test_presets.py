@@ -26,7 +26,26 @@ def compose_cfg(name: str, overrides: list[str] | None = None):
 @pytest.mark.parametrize("name", PRIMARY)
 def test_every_primary_config_composes(name):
     cfg = compose_cfg(name)
-    assert "model" in cfg and cfg.debug is False
+    assert cfg.debug is False
+    assert ("model" in cfg) == (name != "train_tokenizer")
+
+
+TRAIN_GROUPS = ["task", "data", "trainer", "logger", "experiment"]
+
+
+@pytest.mark.parametrize("group, option", [(g, p.stem) for g in TRAIN_GROUPS
+                                           for p in sorted((CONF / g).glob("*.yaml"))])
+def test_every_training_option_composes(group, option, tmp_path):
+    overrides = [f"{group}={option}", f"output_dir={tmp_path}"]
+    if group == "data" and option == "files":
+        overrides.append(f"data.sources=[{tmp_path}]")
+    cfg = compose_cfg("train", overrides)
+    OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # every value resolves
+    if group == "logger":
+        from hydra.utils import instantiate
+
+        logger = instantiate(cfg.logger)
+        assert type(logger).__name__ == {"wandb": "WandbLogger", "csv": "CSVLogger"}[option]
 
 
 @pytest.mark.parametrize("preset", [p for p in MODEL_PRESETS if p != "inkling"])
