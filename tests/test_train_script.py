@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
@@ -39,7 +40,8 @@ def test_pretrain_exports_a_checkpoint_that_infer_loads(pretrained):
     assert len(runs) == 1, "no offline W&B run"
     data = runs[0].read_bytes()
     for key in ("train/loss", "train/lr", "train/lm_ce", "train/depth0/agreement", "train/depth3/ce",
-                "train/simulated_acceptance_length", "train/tokens_per_s", "val/loss", "val/depth0/agreement"):
+                "train/simulated_acceptance_length", "train/tokens_per_s", "val/loss", "val/depth0/agreement",
+                "val/engine_acceptance_length"):
         assert key.encode() in data, key
     out = pretrained / "infer.json"
     r = _run("infer.py", "model=inkling", f"model.path={export}", 'prompt="def f():"', "max_new_tokens=4",
@@ -78,3 +80,16 @@ def test_tokenizer_that_does_not_fit_is_rejected(pretrained, tmp_path):
     r = _run("train.py", "task=mtp", f"model.path={export}", f"data.tokenizer={big}", "logger=csv",
              f"output_dir={tmp_path}/run", cwd=tmp_path)
     assert r.returncode == 2 and "tokenizer has" in r.stderr, r.stderr
+
+
+def test_export_on_demand_equals_the_end_of_training_export(pretrained):
+    out = pretrained / "again"
+    r = _run("export.py", "experiment=debug-pretrain", f"data.tokenizer={pretrained / 'tokenizer.json'}",
+             f"output_dir={pretrained}/pre", f"ckpt_path={pretrained}/pre/checkpoints/last.ckpt", f"out={out}",
+             cwd=pretrained)
+    assert r.returncode == 0, r.stderr[-2000:]
+    from safetensors.torch import load_file
+
+    a, b = load_file(out / "model.safetensors"), load_file(pretrained / "pre" / "export" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (out / "tokenizer.json").is_file()

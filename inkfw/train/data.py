@@ -189,3 +189,15 @@ class TextDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
+
+
+def heldout_prompts(sources: Sequence[str], val_fraction: float, seed: int, num_prompts: int,
+                    prompt_chars: int) -> list[dict[str, str]]:
+    """``{"prompt": text}`` rows cut from validation documents only (never seen in training):
+    the first ``prompt_chars`` characters of the first ``num_prompts`` validation documents
+    that are at least twice that long."""
+    _, val = split_documents(read_documents(sources), val_fraction, seed)
+    rows = [{"prompt": d.text[:prompt_chars]} for d in val if len(d.text) >= 2 * prompt_chars]
+    if len(rows) < num_prompts:
+        raise ConfigError(f"only {len(rows)} validation documents are long enough; lower num_prompts or prompt_chars.")
+    return rows[:num_prompts]

@@ -58,8 +58,10 @@ def freeze_for_mtp(model: InklingLM, train_from: int) -> None:
 class InklingTrainModule(L.LightningModule):
     def __init__(self, model: InklingLM, task: str = "mtp", train_from: int = 0, beta: float = 0.7,
                  weights: list[float] | None = None, objective: str = "ce", mtp_weight: float = 1.0,
-                 optim: OptimConfig | None = None):
+                 optim: OptimConfig | None = None, eval_prompts: list[list[int]] | None = None,
+                 eval_max_new_tokens: int = 32):
         super().__init__()
+        self.eval_prompts, self.eval_max_new_tokens = eval_prompts or [], eval_max_new_tokens
         if task not in ("mtp", "pretrain"):
             raise ConfigError(f"task must be 'mtp' or 'pretrain', got {task!r}.")
         D = model.num_mtp_depths
@@ -118,6 +120,33 @@ class InklingTrainModule(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         return self._logged(batch, "val")
+
+    @torch.no_grad()
+    def engine_acceptance_length(self) -> float:
+        """The real engine's mean acceptance length (greedy, k = D) on the held-out prompts."""
+        from inkfw.cache.paged import PagedKVManager
+        from inkfw.spec.drafters import MtpDrafter
+        from inkfw.spec.engine import Engine
+        from inkfw.spec.verifier import TargetVerifier
+
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            drafter = MtpDrafter(self.model)
+            kv = PagedKVManager(self.model, num_draft_depths=drafter.num_depths, lookahead=drafter.lookahead,
+                                num_draft_tokens=drafter.num_tokens, max_num_seqs=len(self.eval_prompts),
+                                max_model_len=max(map(len, self.eval_prompts)) + self.eval_max_new_tokens + 1)
+            engine = Engine(self.model, drafter, TargetVerifier(), kv)
+            requests = [engine.add_request(p, max_new_tokens=self.eval_max_new_tokens) for p in self.eval_prompts]
+            engine.generate(requests)
+            return engine.metrics.mean_acceptance_length
+        finally:
+            self.model.train(was_training)
+
+    def on_validation_epoch_end(self) -> None:
+        if self.eval_prompts and self.model.num_mtp_depths and not self.trainer.sanity_checking:
+            tau = self.engine_acceptance_length() if self.trainer.is_global_zero else 0.0
+            self.log("val/engine_acceptance_length", tau, rank_zero_only=True)
 
     def configure_optimizers(self):
         params = [p for p in self.model.parameters() if p.requires_grad]

@@ -80,9 +80,13 @@ def run_train(cfg: Any) -> dict[str, Any]:
     data.setup("fit")  # bad data fails here, in one line, before the trainer starts
     optim = OptimConfig(**OmegaConf.to_container(cfg.optim, resolve=True))
     optim.max_steps = int(cfg.trainer.max_steps)
+    eval_cfg = cfg.get("eval") or {}
+    eval_prompts = [ids[: int(eval_cfg.get("prompt_tokens", 64))].tolist()
+                    for ids, _ in list(data.val_set)[: int(eval_cfg.get("num_prompts", 0))]]
     module = InklingTrainModule(model, task=cfg.task.name, train_from=train_from, beta=float(cfg.loss.beta),
                                 weights=cfg.loss.weights, objective=cfg.loss.objective,
-                                mtp_weight=float(cfg.loss.mtp_weight), optim=optim)
+                                mtp_weight=float(cfg.loss.mtp_weight), optim=optim, eval_prompts=eval_prompts,
+                                eval_max_new_tokens=int(eval_cfg.get("max_new_tokens", 32)))
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     callbacks = [RichProgressBar(), ModelCheckpoint(dirpath=out / "checkpoints", save_last=True,
                                                     every_n_train_steps=int(cfg.checkpoint_every))]
@@ -95,3 +99,23 @@ def run_train(cfg: Any) -> dict[str, Any]:
         result["export"] = str(path)
         print(f"exported {model.num_mtp_depths} MTP depth(s) to {path}")
     return result
+
+
+def run_export(cfg: Any) -> Path:
+    """Export a Lightning checkpoint of a training run (``ckpt_path``) in the release layout."""
+    if not cfg.ckpt_path:
+        raise ConfigError("export needs ckpt_path=PATH (a Lightning .ckpt written by scripts/train.py).")
+    ckpt_file = Path(cfg.ckpt_path).expanduser()
+    if not ckpt_file.is_file():
+        raise ConfigError(f"checkpoint {ckpt_file} does not exist.")
+    model, _, ckpt_tokenizer = build_train_model(cfg)
+    try:
+        state = torch.load(ckpt_file, map_location="cpu", weights_only=False)["state_dict"]
+    except Exception as exc:  # torch raises many kinds on a bad file
+        raise ConfigError(f"{ckpt_file} is not a readable Lightning checkpoint ({type(exc).__name__}).") from exc
+    model.load_state_dict({k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")})
+    tokenizer = cfg.data.tokenizer or ckpt_tokenizer
+    out = Path(cfg.out).expanduser()
+    path = export_checkpoint(model.eval(), out, tokenizer_json=resolve_path(tokenizer) if tokenizer else None)
+    print(f"exported {model.num_mtp_depths} MTP depth(s) from {ckpt_file} to {path}")
+    return path

@@ -1,0 +1,16 @@
+"""Export a training checkpoint (Lightning .ckpt) in the release layout."""
+
+import hydra
+from omegaconf import DictConfig
+
+from inkfw.cli import run_user_command
+from inkfw.train.run import run_export
+
+
+@hydra.main(config_path="../conf", config_name="export", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    run_user_command(run_export, cfg)
+
+
+if __name__ == "__main__":
+    main()
