@@ -26,7 +26,8 @@ def pretrained(tmp_path_factory):
     tok = tmp / "tokenizer.json"
     r = _run("train_tokenizer.py", "vocab_size=400", f"out={tok}", "max_documents=40", cwd=tmp)
     assert r.returncode == 0, r.stderr
-    r = _run("train.py", "experiment=debug-pretrain", f"data.tokenizer={tok}", f"output_dir={tmp}/pre", cwd=tmp)
+    r = _run("train.py", "experiment=debug-pretrain", f"data.tokenizer={tok}", f"output_dir={tmp}/pre",
+             "checkpoint_every=2", cwd=tmp)
     assert r.returncode == 0, r.stderr[-3000:]
     return tmp
 
@@ -93,3 +94,18 @@ def test_export_on_demand_equals_the_end_of_training_export(pretrained):
     a, b = load_file(out / "model.safetensors"), load_file(pretrained / "pre" / "export" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert (out / "tokenizer.json").is_file()
+
+
+def test_resume_reproduces_the_uninterrupted_run(pretrained):
+    """4 steps straight == 2 steps, checkpoint, resume for 2 more: the same weights, bit for bit."""
+    mid = pretrained / "pre" / "checkpoints" / "step-2.ckpt"  # no '=' in names: Hydra overrides take them
+    assert mid.is_file()
+    r = _run("train.py", "experiment=debug-pretrain", f"data.tokenizer={pretrained / 'tokenizer.json'}",
+             f"output_dir={pretrained}/resumed", f"ckpt_path={mid}", "logger=csv", cwd=pretrained)
+    assert r.returncode == 0, r.stderr[-3000:]
+    from safetensors.torch import load_file
+
+    a = load_file(pretrained / "resumed" / "export" / "model.safetensors")
+    b = load_file(pretrained / "pre" / "export" / "model.safetensors")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:5]

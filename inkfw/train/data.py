@@ -147,6 +147,38 @@ def tokenize(tokenizer, docs: Sequence[Document]) -> list[list[int]]:
     return [e.ids for e in tokenizer.encode_batch([d.text for d in docs], add_special_tokens=False)]
 
 
+class ResumableLoader:
+    """Batches of ``dataset`` in a seeded order per epoch, split over ranks; its state (epoch,
+    batches served) goes into Lightning checkpoints, so a resumed run sees exactly the batches
+    the uninterrupted run would have."""
+
+    def __init__(self, dataset: TensorDataset, batch_size: int, seed: int = 0, shuffle: bool = True,
+                 rank: int = 0, world_size: int = 1):
+        self.dataset, self.batch_size, self.seed, self.shuffle = dataset, batch_size, seed, shuffle
+        self.rank, self.world_size = rank, world_size
+        self.epoch, self.position = 0, 0
+
+    def __len__(self) -> int:
+        return len(self.dataset) // self.world_size // self.batch_size
+
+    def __iter__(self):
+        n = len(self.dataset)
+        order = (torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+                 if self.shuffle else torch.arange(n))
+        mine = order[self.rank: len(self) * self.batch_size * self.world_size: self.world_size]
+        while self.position < len(self):
+            rows = mine[self.position * self.batch_size: (self.position + 1) * self.batch_size]
+            self.position += 1
+            yield tuple(t[rows] for t in self.dataset.tensors)
+        self.epoch, self.position = self.epoch + 1, 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
 class TextDataModule(L.LightningDataModule):
     """Packed rows ``(input_ids [T], doc_ids [T])`` of a deterministic train/validation split."""
 
@@ -182,10 +214,10 @@ class TextDataModule(L.LightningDataModule):
             raise ConfigError(f"data: the training split holds fewer than {self.seq_len} tokens; add data or "
                               f"lower data.seq_len.")
 
-    def train_dataloader(self) -> DataLoader:
-        g = torch.Generator().manual_seed(self.seed)
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, generator=g, drop_last=True,
-                          num_workers=self.num_workers)
+    def train_dataloader(self) -> ResumableLoader:
+        trainer = getattr(self, "trainer", None)
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        return ResumableLoader(self.train_set, self.batch_size, self.seed, rank=rank, world_size=world)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)

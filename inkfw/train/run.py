@@ -88,7 +88,8 @@ def run_train(cfg: Any) -> dict[str, Any]:
                                 mtp_weight=float(cfg.loss.mtp_weight), optim=optim, eval_prompts=eval_prompts,
                                 eval_max_new_tokens=int(eval_cfg.get("max_new_tokens", 32)))
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
-    callbacks = [RichProgressBar(), ModelCheckpoint(dirpath=out / "checkpoints", save_last=True,
+    callbacks = [RichProgressBar(), ModelCheckpoint(dirpath=out / "checkpoints", save_last=True, save_top_k=-1,
+                                                    filename="step-{step}", auto_insert_metric_name=False,
                                                     every_n_train_steps=int(cfg.checkpoint_every))]
     trainer = L.Trainer(**OmegaConf.to_container(cfg.trainer, resolve=True), logger=logger, callbacks=callbacks,
                         default_root_dir=str(out))
