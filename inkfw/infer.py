@@ -32,10 +32,10 @@ from inkfw.errors import ConfigError
 from inkfw.spec.build import build_engine, drafter_kind
 from inkfw.spec.engine import Engine, Request
 
-DEMO_TEXT_PROMPTS = (
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Speculative decoding makes generation faster because",
+DEMO_TEXT_PROMPTS = (  # the shipped checkpoint was trained on Python source
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "import os\nimport sys\n\n\ndef main(argv):\n",
+    "class Queue:\n    \"\"\"A first-in, first-out queue.\"\"\"\n\n    def __init__(self):\n",
 )
 DEMO_PROMPT_LENGTHS = (7, 19, 42)  # random-token demo prompts (tokenizer-less models)
 LINE_KEYS = ("prompt", "token_ids", "max_new_tokens")

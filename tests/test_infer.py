@@ -24,7 +24,8 @@ from inkfw.spec.build import build_engine
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
-FAST = ["device=cpu", "engine.max_model_len=96", "max_new_tokens=6"]  # small KV pool, short runs
+# the random-init debug preset (not the shipped checkpoint), a small KV pool, short runs
+FAST = ["model=inkling-debug", "device=cpu", "engine.max_model_len=96", "max_new_tokens=6"]
 CONTRACT_REQUEST_KEYS = {"prompt_token_ids", "token_ids", "text", "num_verify_steps", "num_draft_tokens",
                          "num_accepted_tokens", "finish_reason"}
 CONTRACT_METRIC_KEYS = {"mean_acceptance_length", "acceptance_per_position", "tokens_per_s"}
@@ -41,7 +42,8 @@ def one_thread():
 
 def make_cfg(*overrides: str, fast: bool = True):
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("infer", overrides=[*(FAST if fast else []), *overrides])
+        fast_options = [o for o in FAST if not (o.startswith("model=") and any(x.startswith("model=") for x in overrides))]
+        return compose("infer", overrides=[*(fast_options if fast else []), *overrides])
 
 
 def group_options(group: str) -> list[str]:
@@ -195,8 +197,10 @@ def test_text_prompts_stop_strings_and_demo_with_tokenizer(ckpt_with_tokenizer, 
     assert stopped["finish_reason"] == "stop" and first_word not in stopped["text"]
     capsys.readouterr()
     demo = run_infer(make_cfg(*base, "drafter=none", "max_new_tokens=2"))
-    assert [q["prompt"] for q in demo["requests"]][0] == "The capital of France is"
-    assert "The capital of France is" in capsys.readouterr().out
+    from inkfw.infer import DEMO_TEXT_PROMPTS
+
+    assert [q["prompt"] for q in demo["requests"]] == list(DEMO_TEXT_PROMPTS)
+    assert DEMO_TEXT_PROMPTS[0].splitlines()[0] in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------ bad input
@@ -296,7 +300,7 @@ def test_write_json_atomic_replaces(tmp_path):
 # ------------------------------------------------------------------ the script
 @pytest.mark.parametrize("overrides, needle", [
     (["drafter=foo"], "error: unknown drafter 'foo'; choose one of mtp, ngram, none."),
-    (["model=inkling"], "checkpoint directory not found"),
+    (["model=inkling", "model.path=/nonexistent/ckpt"], "checkpoint directory not found"),
 ])
 def test_script_bad_input_one_line(tmp_path, overrides, needle):
     out = run_script(*overrides, cwd=tmp_path)

@@ -1,0 +1,48 @@
+"""The shipped checkpoints/inkling-tiny: loads as the default, serves 8 trained depths exactly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from inkfw.cache.paged import PagedKVManager
+from inkfw.checkpoint import load_model, open_checkpoint
+from inkfw.spec.build import load_tokenizer
+from inkfw.spec.drafters import MtpDrafter, NoDrafter
+from inkfw.spec.engine import Engine, EngineConfig
+from inkfw.spec.verifier import TargetVerifier
+
+ROOT = Path(__file__).resolve().parent.parent
+CKPT = ROOT / "checkpoints" / "inkling-tiny"
+PROMPTS = ROOT / "benchmarks" / "prompts" / "stdlib-heldout.jsonl"
+
+
+def test_shipped_checkpoint_layout_and_size():
+    ckpt = open_checkpoint(CKPT)
+    assert ckpt.layout == "release" and ckpt.config.mtp.num_nextn_predict_layers == 8
+    assert set(ckpt.config.mtp.local_layer_ids) == {0, 2, 4, 6}  # local and global depths
+    assert sum(f.stat().st_size for f in CKPT.iterdir()) <= 25 * 2**20
+    ckpt.close()
+
+
+def test_trained_depths_are_accepted_and_output_is_exact():
+    torch.set_num_threads(1)
+    model, _ = load_model(CKPT)
+    tok = load_tokenizer({"path": str(CKPT)})
+    prompts = [tok.encode(json.loads(line)["prompt"]).ids for line in PROMPTS.read_text().splitlines()[3:6]]
+    outs = {}
+    for name, drafter in (("mtp", MtpDrafter(model)), ("none", NoDrafter())):
+        kv = PagedKVManager(model, num_draft_depths=drafter.num_depths, lookahead=drafter.lookahead,
+                            num_draft_tokens=drafter.num_tokens, max_num_seqs=4, max_model_len=256)
+        engine = Engine(model, drafter, TargetVerifier(), kv, config=EngineConfig(check_drafts=name == "mtp"))
+        requests = [engine.add_request(p, max_new_tokens=24) for p in prompts]
+        engine.generate(requests)
+        outs[name] = [r.output_token_ids for r in requests]
+        if name == "mtp":
+            tau = engine.metrics.mean_acceptance_length
+            deep = engine.metrics.per_position_acceptance[4:]
+    assert outs["mtp"] == outs["none"]
+    assert tau > 1.5, f"trained depths should be accepted (random depths give 1.0), got {tau}"
+    assert sum(deep) > 0, "depths 4..7 never accepted"
