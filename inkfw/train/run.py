@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from inkfw.checkpoint import export_checkpoint, load_model
 from inkfw.errors import ConfigError
 from inkfw.models.inkling.model import InklingLM
-from inkfw.presets import build_model, model_config, resolve_path
+from inkfw.presets import build_model, model_config, parse_dtype, resolve_path
 from inkfw.train.data import TextDataModule
 from inkfw.train.module import InklingTrainModule, OptimConfig
 
@@ -96,7 +96,8 @@ def run_train(cfg: Any) -> dict[str, Any]:
     trainer.fit(module, datamodule=data, ckpt_path=cfg.ckpt_path)
     result: dict[str, Any] = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v)}
     if trainer.is_global_zero and cfg.export:
-        path = export_checkpoint(model.eval(), out / "export", tokenizer_json=resolve_path(tokenizer))
+        path = export_checkpoint(model.eval(), out / "export", tokenizer_json=resolve_path(tokenizer),
+                                 dtype=parse_dtype(cfg.export_dtype))
         result["export"] = str(path)
         print(f"exported {model.num_mtp_depths} MTP depth(s) to {path}")
     return result
@@ -117,6 +118,7 @@ def run_export(cfg: Any) -> Path:
     model.load_state_dict({k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")})
     tokenizer = cfg.data.tokenizer or ckpt_tokenizer
     out = Path(cfg.out).expanduser()
-    path = export_checkpoint(model.eval(), out, tokenizer_json=resolve_path(tokenizer) if tokenizer else None)
+    path = export_checkpoint(model.eval(), out, tokenizer_json=resolve_path(tokenizer) if tokenizer else None,
+                             dtype=parse_dtype(cfg.export_dtype))
     print(f"exported {model.num_mtp_depths} MTP depth(s) from {ckpt_file} to {path}")
     return path
