@@ -261,6 +261,16 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     return ckpt
 
 
+def read_tokenizer(file: str | Path):
+    """A ``tokenizers.Tokenizer`` from ``tokenizer.json``; one clear error if it cannot be read."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as exc:  # the tokenizers library raises plain Exceptions on bad files
+        raise CheckpointError(f"{file}: not a readable tokenizer.json ({str(exc).splitlines()[0]}).") from exc
+
+
 def load_state(model: InklingLM, ckpt: Checkpoint) -> None:
     """Copy every tensor of ``model`` from ``ckpt`` (cast to the parameter's dtype).
 

@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 from rich.console import Console
 from rich.progress import MofNCompleteColumn, Progress
 from rich.table import Table
 from rich.text import Text
 
 from inkfw.errors import ConfigError
+from inkfw.presets import plain
 from inkfw.spec.build import build_engine, drafter_kind
 from inkfw.spec.engine import Engine, Request
 
@@ -53,23 +53,19 @@ class PromptItem:
 
 
 # ------------------------------------------------------------------------ options
-def _plain(node: Any) -> Any:
-    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
-
-
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _int_list(value: Any, what: str) -> list[int]:
-    value = _plain(value)
+    value = plain(value)
     if not isinstance(value, (list, tuple)) or not all(_is_int(t) for t in value):
         raise ConfigError(f"{what} must be a list of integer token ids, got {value!r}.")
     return list(value)
 
 
 def _stop_strings(value: Any) -> list[str]:
-    value = _plain(value)
+    value = plain(value)
     if value is None:
         return []
     if isinstance(value, str):

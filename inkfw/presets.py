@@ -17,7 +17,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 
 
-def _plain(node: Any) -> Any:
+def plain(node: Any) -> Any:
     """A Hydra/OmegaConf node as plain Python containers (other values unchanged)."""
     return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
 
@@ -55,7 +55,7 @@ def resolve_path(path: str | Path) -> Path:
 
 def model_config(model_node: Any) -> InklingConfig:
     """Sizes from ``sizes`` (random-init presets) or from ``path``/config.json (real checkpoints)."""
-    node = _plain(model_node)
+    node = plain(model_node)
     if node.get("path"):
         return InklingConfig.from_json(resolve_path(node["path"]) / "config.json")
     sizes = dict(node.get("sizes") or {})
@@ -71,7 +71,7 @@ def model_config(model_node: Any) -> InklingConfig:
 def build_model(model_node: Any, mtp_depths: int | None = None, dtype: str | torch.dtype = "float32",
                 device: str | torch.device = "cpu", embed_source: EmbedSource = "backbone_norm") -> InklingLM:
     """A checkpoint's model (``path``) or a seeded random-init preset (``sizes``)."""
-    node = _plain(model_node)
+    node = plain(model_node)
     dtype = parse_dtype(dtype)
     device = resolve_device(device)
     if node.get("path"):

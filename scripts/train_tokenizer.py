@@ -4,17 +4,12 @@ import hydra
 from omegaconf import DictConfig
 
 from inkfw.cli import run_user_command
-from inkfw.train.tokenizer import train_tokenizer
-
-
-def _run(cfg: DictConfig) -> None:
-    out = train_tokenizer(list(cfg.sources), int(cfg.vocab_size), cfg.out, cfg.max_documents)
-    print(f"wrote {out}")
+from inkfw.train.tokenizer import run_train_tokenizer
 
 
 @hydra.main(config_path="../conf", config_name="train_tokenizer", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    run_user_command(_run, cfg)
+    run_user_command(run_train_tokenizer, cfg)
 
 
 if __name__ == "__main__":

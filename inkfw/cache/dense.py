@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from inkfw.cache.interface import EMPTY_POSITION, NUM_CONV_STREAMS
+from inkfw.cache.interface import EMPTY_POSITION, NUM_CONV_STREAMS, conv_channels
 
 
 class DenseLayerCache:
@@ -67,11 +67,8 @@ class DenseModelCache:
         device = device or param.device
 
         def make(block) -> DenseLayerCache:
-            attn = block.attn
-            kv = attn.num_kv_heads * attn.head_dim
-            hidden = block.attn_norm.weight.shape[0]
-            return DenseLayerCache(batch, max_len, attn.num_kv_heads, attn.head_dim,
-                                   (kv, kv, hidden, hidden), dtype, device)
+            return DenseLayerCache(batch, max_len, block.attn.num_kv_heads, block.attn.head_dim,
+                                   conv_channels(block), dtype, device)
 
         self.layers = [make(layer) for layer in model.backbone.layers]
         self.mtp = [make(depth.block) for depth in model.mtp.depths] if model.mtp is not None else []

@@ -27,6 +27,13 @@ NUM_CONV_STREAMS = 4
 EMPTY_POSITION = 1 << 40
 
 
+def conv_channels(block) -> tuple[int, int, int, int]:
+    """Channels of a block's four conv streams, in stream order (k, v, attn, mlp)."""
+    kv = block.attn.num_kv_heads * block.attn.head_dim
+    hidden = block.attn_norm.weight.shape[0]
+    return kv, kv, hidden, hidden
+
+
 @runtime_checkable
 class LayerCache(Protocol):
     """Per-layer cache state, addressed by token position."""

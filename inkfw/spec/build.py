@@ -23,7 +23,8 @@ from typing import Any
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 
-from inkfw.errors import CheckpointError, ConfigError, InkfwError
+from inkfw.checkpoint import read_tokenizer
+from inkfw.errors import ConfigError, InkfwError
 from inkfw.presets import build_model, resolve_path
 from inkfw.spec.engine import Engine, EngineConfig
 from inkfw.spec.sampling import Sampler
@@ -105,14 +106,7 @@ def load_tokenizer(model_node: Any):
     if not path:
         return None
     file = resolve_path(path) / "tokenizer.json"
-    if not file.is_file():
-        return None
-    from tokenizers import Tokenizer
-
-    try:
-        return Tokenizer.from_file(str(file))
-    except Exception as exc:  # the tokenizers library raises plain Exceptions on bad files
-        raise CheckpointError(f"{file}: not a readable tokenizer.json ({str(exc).splitlines()[0]}).") from exc
+    return read_tokenizer(file) if file.is_file() else None
 
 
 def engine_options(cfg: Any) -> tuple[str, int | None, int | None]:

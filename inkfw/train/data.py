@@ -21,6 +21,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from inkfw.checkpoint import read_tokenizer
 from inkfw.errors import ConfigError
 
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".jsonl", ".json", ".c", ".h", ".cfg", ".toml", ".yaml", ".yml"}
@@ -131,16 +132,11 @@ def pack(token_lists: Iterable[Sequence[int]], seq_len: int, eos_id: int) -> tup
 
 
 def load_tokenizer(path: str | Path):
-    """A ``tokenizers.Tokenizer`` from ``tokenizer.json`` (one clear error if it cannot be read)."""
-    from tokenizers import Tokenizer
-
+    """A ``tokenizers.Tokenizer`` from ``tokenizer.json`` (one clear error if it is missing or unreadable)."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise ConfigError(f"data: tokenizer file {path} does not exist.")
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as exc:  # tokenizers raises plain Exceptions
-        raise ConfigError(f"data: {path} is not a readable tokenizer.json ({str(exc).splitlines()[0]}).") from exc
+    return read_tokenizer(path)
 
 
 def tokenize(tokenizer, docs: Sequence[Document]) -> list[list[int]]:
@@ -233,3 +229,14 @@ def heldout_prompts(sources: Sequence[str], val_fraction: float, seed: int, num_
     if len(rows) < num_prompts:
         raise ConfigError(f"only {len(rows)} validation documents are long enough; lower num_prompts or prompt_chars.")
     return rows[:num_prompts]
+
+
+def write_heldout_prompts(cfg) -> Path:
+    """``scripts/heldout_prompts.py``: held-out prompts as JSON lines, from ``conf/heldout_prompts.yaml``."""
+    rows = heldout_prompts(list(cfg.sources), float(cfg.val_fraction), int(cfg.seed), int(cfg.num_prompts),
+                           int(cfg.prompt_chars))
+    out = Path(cfg.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print(f"wrote {len(rows)} prompts to {out}")
+    return out

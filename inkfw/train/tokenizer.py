@@ -29,3 +29,10 @@ def train_tokenizer(sources: list[str], vocab_size: int, out: str | Path, max_do
     out.parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(out))
     return out
+
+
+def run_train_tokenizer(cfg) -> Path:
+    """``scripts/train_tokenizer.py``: train and save, from ``conf/train_tokenizer.yaml``."""
+    out = train_tokenizer(list(cfg.sources), int(cfg.vocab_size), cfg.out, cfg.max_documents)
+    print(f"wrote {out}")
+    return out
