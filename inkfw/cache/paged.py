@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from inkfw.cache.interface import EMPTY_POSITION, NUM_CONV_STREAMS
+from inkfw.cache.interface import EMPTY_POSITION, conv_channels
 from inkfw.errors import ConfigError
 
 
@@ -253,10 +253,7 @@ class PagedKVManager:
             return [(block.attn.num_kv_heads, block.attn.head_dim)] * 2
 
         def conv_shape(block) -> list[tuple[int, ...]]:
-            kv, hidden = block.attn.num_kv_heads * block.attn.head_dim, block.attn_norm.weight.shape[0]
-            shapes = [(kv,), (kv,), (hidden,), (hidden,)]  # K_SCONV, V_SCONV, ATTN_SCONV, MLP_SCONV
-            assert len(shapes) == NUM_CONV_STREAMS
-            return shapes
+            return [(c,) for c in conv_channels(block)]
 
         def add_layers(name: str, window: int | None, blocks: list, draft: bool) -> tuple[int, int]:
             kv = new_group(f"{name}:kv", window, [kv_shape(b) for b in blocks], draft)
@@ -300,9 +297,7 @@ class PagedKVManager:
 
     def _needed_from(self, group: CacheGroup, first_query: int) -> int:
         """First position a query at ``first_query`` or later can read in ``group``."""
-        if group.window is None:
-            return 0
-        return max(0, first_query - max(group.window, self.conv_kernel_size) + 1)
+        return 0 if group.window is None else max(0, first_query - group.window + 1)
 
     # ------------------------------------------------------------- lifecycle
     def _hash_chain(self, tokens: Sequence[int], num_blocks: int) -> list[bytes]:

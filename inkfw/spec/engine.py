@@ -169,11 +169,13 @@ class Engine:
 
     def generate(self, requests: Sequence[Request], on_tokens: Callable[[int], None] | None = None) -> list[Request]:
         """Run until every request in ``requests`` has finished."""
+        produced = 0
         while any(not r.finished for r in requests):
-            before = sum(len(r.output_token_ids) for r in requests)
             self.step()
             if on_tokens is not None:
-                on_tokens(sum(len(r.output_token_ids) for r in requests) - before)
+                now = sum(len(r.output_token_ids) for r in requests)
+                on_tokens(now - produced)
+                produced = now
         return list(requests)
 
     # ---------------------------------------------------------------------- step
@@ -245,20 +247,29 @@ class Engine:
         room = self.max_model_len - len(r.token_ids)
         return max(0, min(self.drafter.num_tokens, left, room))
 
+    @staticmethod
+    def _num_pending(r: Request) -> int:
+        return int(r.pending.num_drafts[0]) if r.pending is not None else 0
+
     def _needs(self, r: Request, chunk_end: int | None) -> tuple[int, int]:
         """(target_end, draft_end) positions ``r`` writes this step."""
         k, P = self.drafter.num_tokens, self.drafter.lookahead
         extra = max(0, k - P)  # decode-step positions past a span
         L = len(r.token_ids)
         if chunk_end is None:  # verify
-            n = int(r.pending.num_drafts[0]) if r.pending is not None else 0
+            n = self._num_pending(r)
             return L + n, L + n + extra
         return chunk_end, chunk_end + (extra if chunk_end == L - 1 else 0)
 
-    def _chunk_end(self, r: Request, budget: int) -> int:
-        """End of ``r``'s next prefill chunk within ``budget`` tokens. Chunks other than the
-        last end at least P - 1 positions before it, so their drafter inputs are all known."""
+    def _chunk_end(self, r: Request, budget: int) -> int | None:
+        """End of ``r``'s next prefill chunk within ``budget`` tokens (None: ``r`` verifies
+        next; ``num_computed``: no budget left). Chunks other than the last end at least P - 1
+        positions before it, so their drafter inputs are all known."""
         c0, end = r.num_computed, len(r.token_ids) - 1
+        if c0 >= end:
+            return None
+        if budget < 1:
+            return c0
         room = end - c0 - max(0, self.drafter.lookahead - 1)  # longest chunk that is not the last
         if end - c0 <= budget or room < 1:
             return end
@@ -269,27 +280,27 @@ class Engine:
         self._preempted_this_step = False
         prefills: list[tuple[Request, int, int]] = []
         decodes: list[Request] = []
+
+        def take(r: Request, chunk_end: int | None) -> int:
+            """Schedule ``r``'s chunk (or verify step); returns the target tokens it uses."""
+            if chunk_end is not None:
+                prefills.append((r, r.num_computed, chunk_end))
+                return chunk_end - r.num_computed
+            decodes.append(r)
+            return 1 + self._num_pending(r)
+
         for r in list(self.running):
             if r not in self.running:  # preempted by an earlier request of this loop
                 continue
-            prefilling = r.num_computed < len(r.token_ids) - 1
-            if prefilling and budget < 1:
-                continue
-            chunk_end = self._chunk_end(r, budget) if prefilling else None
-            if not self._allocate(r, chunk_end):
-                continue
-            if prefilling:
-                prefills.append((r, r.num_computed, chunk_end))
-                budget -= chunk_end - r.num_computed
-            else:
-                decodes.append(r)
-                budget -= 1 + (int(r.pending.num_drafts[0]) if r.pending is not None else 0)
+            chunk_end = self._chunk_end(r, budget)
+            if chunk_end == r.num_computed or not self._allocate(r, chunk_end):
+                continue  # no budget left for its prefill, or r was preempted
+            budget -= take(r, chunk_end)
         while (self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0
                and not self._preempted_this_step):
             r = self.waiting[0]
             r.num_computed = self.kv.add(r.id, r.token_ids)
-            prefilling = r.num_computed < len(r.token_ids) - 1
-            chunk_end = self._chunk_end(r, budget) if prefilling else None
+            chunk_end = self._chunk_end(r, budget)
             if not self.kv.ensure(r.id, *self._needs(r, chunk_end)):
                 self.kv.free(r.id)
                 if not self.running:
@@ -301,12 +312,7 @@ class Engine:
             self.waiting.popleft()
             r.status = "running"
             self.running.append(r)
-            if prefilling:
-                prefills.append((r, r.num_computed, chunk_end))
-                budget -= chunk_end - r.num_computed
-            else:
-                decodes.append(r)
-                budget -= 1
+            budget -= take(r, chunk_end)
         return prefills, decodes
 
     def _allocate(self, r: Request, chunk_end: int | None) -> bool:

@@ -65,11 +65,13 @@ class DepthStats:
 
 def mtp_losses(model, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None, *,
                num_depths: int | None = None, train_from: int = 0, weights: torch.Tensor | None = None,
-               objective: str = "ce", hidden: torch.Tensor | None = None) -> DepthStats:
+               objective: str = "ce", hidden: torch.Tensor | None = None,
+               backbone_logits: torch.Tensor | None = None) -> DepthStats:
     """Losses of depths ``[train_from, num_depths)`` (earlier depths run, but are not in the loss).
 
     ``input_ids`` [B, T]; ``doc_ids`` [B, T] document index of every token (None: one
-    document per row). ``hidden``: the backbone's final hidden states if already computed.
+    document per row). ``hidden`` / ``backbone_logits``: the backbone's final hidden states and
+    logits [B, T, V] if already computed.
     """
     if objective not in ("ce", "kl"):
         raise ConfigError(f"loss.objective must be 'ce' or 'kl', got {objective!r}.")
@@ -82,7 +84,9 @@ def mtp_losses(model, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = No
         with torch.no_grad():
             hidden = model(input_ids)  # [B, T, H]
     with torch.no_grad():
-        backbone_logits = model.logits(hidden).float()  # [B, T, V]
+        if backbone_logits is None:
+            backbone_logits = model.logits(hidden)
+        backbone_logits = backbone_logits.detach().float()  # [B, T, V]
         backbone_greedy = backbone_logits.argmax(-1)  # [B, T]
     chain = model.mtp_chain(hidden, input_ids, D, frozen_depths=train_from)  # g_1 .. g_D, each [B, T, H]
 

@@ -86,14 +86,16 @@ class InklingTrainModule(L.LightningModule):
             hidden = model(ids)
         logs: dict[str, float | torch.Tensor] = {}
         loss = hidden.new_zeros((), dtype=torch.float32)
+        logits = None
         if self.task == "pretrain":
-            mask = target_mask(doc, 1)  # [B, T]
-            lm = F.cross_entropy(model.logits(hidden[:, :-1][mask[:, :-1]]).float(), ids[:, 1:][mask[:, :-1]])
+            mask = target_mask(doc, 1)[:, :-1]  # [B, T-1]
+            logits = model.logits(hidden).float()  # [B, T, V], also the depths' teacher below
+            lm = F.cross_entropy(logits[:, :-1][mask], ids[:, 1:][mask])
             loss = loss + lm
             logs["lm_ce"] = lm.detach()
         if model.num_mtp_depths:
             stats = mtp_losses(model, ids, doc, train_from=self.train_from, weights=self.depth_w,
-                               objective=self.objective, hidden=hidden if self.task == "mtp" else hidden.detach())
+                               objective=self.objective, hidden=hidden.detach(), backbone_logits=logits)
             loss = loss + (self.mtp_weight if self.task == "pretrain" else 1.0) * stats.loss
             for d in range(model.num_mtp_depths):
                 logs[f"depth{d}/ce"] = stats.ce[d]

@@ -101,12 +101,17 @@ class MtpDrafter:
         probs = [None] * k
         logits_kept = [None] * k
 
+        params = [s.request.sampling for s in spans]
+        any_sampled = any(not p.greedy for p in params)
+        wanted = want.tolist()
+        want_dev = want.to(device)
+        most = max(wanted)
+
         def choose(step: int, logits: torch.Tensor) -> None:  # logits [B, V] -> drafts[:, step]
-            params = [s.request.sampling for s in spans]
             tok = logits.argmax(-1)
-            if any(not p.greedy for p in params):
+            if any_sampled:
                 q = processed_probs(logits, params)  # [B, V]
-                sampled = [b for b, p in enumerate(params) if not p.greedy and step < int(want[b])]
+                sampled = [b for b, p in enumerate(params) if not p.greedy and step < wanted[b]]
                 if sampled:
                     idx = torch.tensor(sampled, device=device)
                     gens = [spans[b].request.generator for b in sampled]
@@ -115,27 +120,25 @@ class MtpDrafter:
             tokens[:, step] = tok
             if self.keep_logits:
                 logits_kept[step] = logits.float()
-            ext[rows, (draft_at + step).clamp(max=T + k - 1)] = torch.where(
-                want.to(device) > step, tok, ext[rows, (draft_at + step).clamp(max=T + k - 1)])
+            at = (draft_at + step).clamp(max=T + k - 1)
+            ext[rows, at] = torch.where(want_dev > step, tok, ext[rows, at])
 
         # ---- prefill steps: depth s over the whole span
         for s in range(P):
             cache = kv.draft_cache(s, rids, positions, valid)
             g = self._run(model.mtp_step, s, g, ext[:, s: s + T], positions, cache)  # [B, T, H]
-            if bool((want > s).any()):
+            if most > s:
                 choose(s, self._run(model.logits, g[rows, last]))
 
         # ---- decode steps (k > D): one position per step, depth s % D
-        if bool((want > P).any()):
+        if most > P:
             for b, span in enumerate(spans):
-                if int(want[b]) > P:
-                    kv.invalidate_draft(span.request.id, ends[b] + 1, ends[b] + 1 + int(want[b]) - P)
+                if wanted[b] > P:
+                    kv.invalidate_draft(span.request.id, ends[b] + 1, ends[b] + 1 + wanted[b] - P)
             g_last = g[rows, last][:, None]  # [B, 1, H]
             ends_t = torch.tensor(ends, device=device)
-            for s in range(P, k):
-                active = (want > s).to(device)[:, None]  # [B, 1]
-                if not bool(active.any()):
-                    break
+            for s in range(P, min(k, most)):
+                active = (want_dev > s)[:, None]  # [B, 1]
                 pos = (ends_t + (s - P + 1))[:, None]  # [B, 1]
                 cache = kv.draft_cache(s % D, rids, pos, active)
                 g_last = self._run(model.mtp_step, s % D, g_last, tokens[:, s - 1: s], pos, cache)
@@ -147,7 +150,7 @@ class MtpDrafter:
             V = next(p for p in probs if p is not None).shape[-1]
             q_all = torch.stack([p if p is not None else F.one_hot(tokens[:, i], V).float()
                                  for i, p in enumerate(probs)], dim=1)  # [B, k, V]
-            greedy_rows = torch.tensor([s.request.sampling.greedy for s in spans], device=device)
+            greedy_rows = torch.tensor([p.greedy for p in params], device=device)
             q_all = torch.where(greedy_rows[:, None, None], F.one_hot(tokens, V).float(), q_all)
         logits_all = None
         if self.keep_logits and any(x is not None for x in logits_kept):
