@@ -47,11 +47,11 @@ from rich.table import Table
 from inkfw.cache.paged import PagedKVManager, PagedLayerCache
 from inkfw.errors import ConfigError
 from inkfw.presets import build_model
-from inkfw.spec.drafters import MtpDrafter, NoDrafter
-from inkfw.spec.engine import Engine, EngineConfig, StepTimes
-from inkfw.spec.metrics import SpecMetrics
-from inkfw.spec.sampling import SamplingParams
-from inkfw.spec.verifier import TargetVerifier
+from inkfw.speculative.drafters import MtpDrafter, NoDrafter
+from inkfw.speculative.engine import Engine, EngineConfig, StepTimes
+from inkfw.speculative.metrics import SpecMetrics
+from inkfw.speculative.sampling import SamplingParams
+from inkfw.speculative.verifier import TargetVerifier
 
 DRAFTERS = ("none", "mtp")
 OVERHEAD_TARGET = 1.15

@@ -28,7 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from inkfw.config import InklingConfig
+from inkfw.models.inkling.config import InklingConfig
 from inkfw.errors import CheckpointError, ConfigError
 from inkfw.models.inkling.model import EmbedSource, InklingLM
 

@@ -1,6 +1,6 @@
 """Speculative decoding from the command line: the function behind ``scripts/infer.py``.
 
-:func:`run_infer` builds the engine of ``conf/infer.yaml`` (:func:`~inkfw.spec.build.build_engine`),
+:func:`run_infer` builds the engine of ``conf/infer.yaml`` (:func:`~inkfw.speculative.build.build_engine`),
 queues the prompts (``prompt``, ``prompt_token_ids``, ``prompts_file`` or a built-in demo),
 generates with a progress bar, prints every request's output and a table of acceptance and
 timing metrics, and optionally writes both as JSON (``output.json``).
@@ -29,8 +29,8 @@ from rich.text import Text
 
 from inkfw.errors import ConfigError
 from inkfw.presets import plain
-from inkfw.spec.build import build_engine, drafter_kind
-from inkfw.spec.engine import Engine, Request
+from inkfw.speculative.build import build_engine, drafter_kind
+from inkfw.speculative.engine import Engine, Request
 
 DEMO_TEXT_PROMPTS = (  # the shipped checkpoint was trained on Python source
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inkfw.config import InklingConfig
+from inkfw.models.inkling.config import InklingConfig
 from inkfw.models.inkling.layers import MoE
 from inkfw.models.inkling.model import InklingLM
 

@@ -9,7 +9,7 @@ import torch
 from omegaconf import OmegaConf
 
 from inkfw.checkpoint import load_model
-from inkfw.config import InklingConfig, MtpConfig
+from inkfw.models.inkling.config import InklingConfig, MtpConfig
 from inkfw.errors import ConfigError
 from inkfw.models.inkling.model import EmbedSource, InklingLM
 

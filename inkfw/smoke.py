@@ -17,7 +17,7 @@ from rich.table import Table
 from inkfw.cache.dense import DenseModelCache
 from inkfw.errors import ConfigError
 from inkfw.presets import build_model
-from inkfw.spec.reference import greedy_reference_drafts
+from inkfw.speculative.reference import greedy_reference_drafts
 
 
 def smoke_run(cfg: Any) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import randomize_, tiny_config  # noqa: E402
+from helpers.models import randomize_, tiny_config  # noqa: E402
 
 from inkfw.models.inkling.model import InklingLM  # noqa: E402
 from inkfw.train.module import InklingTrainModule, OptimConfig  # noqa: E402

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from inkfw.cache.dense import DenseModelCache
 from inkfw.models.inkling.model import InklingLM
 
-from conftest import randomize_, tiny_config
+from helpers.models import randomize_, tiny_config
 
 VOCAB = 90
 TOL = dict(atol=1e-5, rtol=1e-5)

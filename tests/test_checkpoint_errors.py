@@ -17,7 +17,7 @@ from inkfw.errors import CheckpointError, ConfigError, InkfwError
 from inkfw.models.inkling.layers import Router, ShortConv
 from inkfw.models.inkling.model import InklingLM
 
-from conftest import randomize_, tiny_config
+from helpers.models import randomize_, tiny_config
 
 # tensors of the release layout used below (all "copy" tensors, no interleave)
 Q_PROJ = "model.llm.layers.1.attn.wq_du.weight"

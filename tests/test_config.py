@@ -9,10 +9,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from inkfw.config import DraftView, InklingConfig, MtpConfig
+from inkfw.models.inkling.config import InklingConfig, MtpConfig
+from inkfw.speculative.draft_view import DraftView
 from inkfw.errors import ConfigError
 
-from conftest import tiny_config
+from helpers.models import tiny_config
 
 # text fields shared by the dialect tests, in Hugging Face's names
 TEXT = dict(

@@ -11,14 +11,14 @@ import random
 import pytest
 import torch
 
-import inkfw.spec.drafters.mtp as mtp_module
+import inkfw.speculative.drafters.mtp as mtp_module
 from inkfw.errors import ConfigError
-from inkfw.spec.drafters import MtpDrafter, NgramDrafter, NoDrafter
-from inkfw.spec.engine import DraftCheckError
-from inkfw.spec.interfaces import Drafts
-from inkfw.spec.sampling import SamplingParams
+from inkfw.speculative.drafters import MtpDrafter, NgramDrafter, NoDrafter
+from inkfw.speculative.engine import DraftCheckError
+from inkfw.speculative.interfaces import Drafts
+from inkfw.speculative.sampling import SamplingParams
 
-from spec_helpers import (RandomAcceptVerifier, generate, make_engine, one_thread, outputs,  # noqa: F401
+from helpers.engine import (RandomAcceptVerifier, generate, make_engine, one_thread, outputs,  # noqa: F401
                           random_prompts, spec_model, uncached_greedy)
 
 VOCAB = 120  # logits vocabulary of spec_model()

@@ -8,15 +8,15 @@ import random
 import pytest
 import torch
 
-from conftest import randomize_, tiny_config
+from helpers.models import randomize_, tiny_config
 from inkfw.cache.paged import PagedKVManager
 from inkfw.checkpoint import export_checkpoint, load_model
 from inkfw.models.inkling.model import InklingLM
-from inkfw.spec.drafters import MtpDrafter, NoDrafter
-from inkfw.spec.engine import Engine, EngineConfig
-from inkfw.spec.verifier import TargetVerifier
+from inkfw.speculative.drafters import MtpDrafter, NoDrafter
+from inkfw.speculative.engine import Engine, EngineConfig
+from inkfw.speculative.verifier import TargetVerifier
 from reference.hf import TINY_AUDIO, TINY_VISION
-from spec_helpers import one_thread  # noqa: F401
+from helpers.engine import one_thread  # noqa: F401
 
 NEW = 14
 _rng = random.Random(0)

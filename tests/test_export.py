@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import randomize_, tiny_config
+from helpers.models import randomize_, tiny_config
 from inkfw.checkpoint import INDEX_FILE, SINGLE_FILE, export_checkpoint, load_model, open_checkpoint
 from inkfw.models.inkling.model import InklingLM
 from reference.hf import TINY_AUDIO, TINY_VISION

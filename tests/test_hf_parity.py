@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from conftest import tiny_config
+from helpers.models import tiny_config
 from inkfw.checkpoint import load_model
-from inkfw.config import MtpConfig
+from inkfw.models.inkling.config import MtpConfig
 from inkfw.models.inkling.model import InklingLM
 from reference.hf import (
     build_hf_causal_lm,
@@ -31,7 +31,7 @@ from reference.hf import (
 ATOL = 1e-4
 B, T = 2, 40  # T > sliding_window (8) and > rel_extent (16) in every config below
 
-# Debug configs (overrides of tests/conftest.py::tiny_config), each 2-4 layers.
+# Debug configs (overrides of tests/helpers/models.py::tiny_config), each 2-4 layers.
 CONFIGS = {
     # local+dense, local+MoE, global+MoE with log scaling, local+MoE; GQA in both kinds
     "mixed": dict(),
@@ -319,7 +319,7 @@ def test_mtp_chain_matches_design_restatement(model):
 
 
 def test_mtp_chain_matches_design_restatement_without_chain_norm():
-    from conftest import randomize_
+    from helpers.models import randomize_
 
     cfg = tiny_config(mtp=MtpConfig(2, False, [1]))
     torch.manual_seed(0)

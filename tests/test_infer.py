@@ -20,7 +20,7 @@ from omegaconf import OmegaConf, open_dict
 
 from inkfw.errors import CheckpointError, ConfigError, InkfwError
 from inkfw.infer import read_prompts_file, run_infer, write_json_atomic
-from inkfw.spec.build import build_engine
+from inkfw.speculative.build import build_engine
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"

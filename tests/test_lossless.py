@@ -12,16 +12,16 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import inkfw.spec.verifier as verifier_module
+import inkfw.speculative.verifier as verifier_module
 from inkfw.cache.paged import PagedKVManager
 from inkfw.models.inkling.model import InklingLM
-from inkfw.spec.drafters import MtpDrafter
-from inkfw.spec.engine import Engine, EngineConfig
-from inkfw.spec.sampling import SamplingParams, processed_probs
-from inkfw.spec.verifier import TargetVerifier
+from inkfw.speculative.drafters import MtpDrafter
+from inkfw.speculative.engine import Engine, EngineConfig
+from inkfw.speculative.sampling import SamplingParams, processed_probs
+from inkfw.speculative.verifier import TargetVerifier
 
-from conftest import randomize_, tiny_config
-from spec_helpers import one_thread  # noqa: F401
+from helpers.models import randomize_, tiny_config
+from helpers.engine import one_thread  # noqa: F401
 
 V = 12  # logits vocabulary
 PROMPT = [3, 7, 1, 9, 4]

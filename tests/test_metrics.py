@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inkfw.spec.metrics import SpecMetrics, expected_tokens_per_step, simulated_acceptance_length
+from inkfw.speculative.metrics import SpecMetrics, expected_tokens_per_step, simulated_acceptance_length
 
 # (num_drafts, num_accepted) per request-step
 STEP = st.integers(0, 8).flatmap(lambda d: st.tuples(st.just(d), st.integers(0, d)))

@@ -14,7 +14,7 @@ from inkfw.errors import ConfigError
 from inkfw.models.inkling.layers import Attention, DenseMLP, MoE, RelativeBias, RMSNorm, Router, ShortConv
 from inkfw.models.inkling.model import InklingLM
 
-from conftest import randomize_, tiny_config
+from helpers.models import randomize_, tiny_config
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 

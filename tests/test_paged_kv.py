@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from inkfw.cache.paged import BlockPool, PagedKVManager
-from inkfw.spec.drafters import MtpDrafter, NoDrafter
+from inkfw.speculative.drafters import MtpDrafter, NoDrafter
 
-from spec_helpers import (BLOCK, RandomAcceptVerifier, generate, make_engine, one_thread,  # noqa: F401
+from helpers.engine import (BLOCK, RandomAcceptVerifier, generate, make_engine, one_thread,  # noqa: F401
                           outputs, random_prompts, spec_model, uncached_greedy)
 
 VOCAB = 120

@@ -9,7 +9,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from inkfw.config import InklingConfig
+from inkfw.models.inkling.config import InklingConfig
 from inkfw.params import count_parameters
 from inkfw.presets import build_model, model_config
 

@@ -9,7 +9,7 @@ import torch
 from scipy.stats import chisquare
 
 from inkfw.errors import ConfigError
-from inkfw.spec.sampling import Sampler, SamplingParams, processed_probs, sample
+from inkfw.speculative.sampling import Sampler, SamplingParams, processed_probs, sample
 
 GREEDY = SamplingParams()
 PLAIN = SamplingParams(temperature=1.0)

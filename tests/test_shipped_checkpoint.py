@@ -9,10 +9,10 @@ import torch
 
 from inkfw.cache.paged import PagedKVManager
 from inkfw.checkpoint import load_model, open_checkpoint
-from inkfw.spec.build import load_tokenizer
-from inkfw.spec.drafters import MtpDrafter, NoDrafter
-from inkfw.spec.engine import Engine, EngineConfig
-from inkfw.spec.verifier import TargetVerifier
+from inkfw.speculative.build import load_tokenizer
+from inkfw.speculative.drafters import MtpDrafter, NoDrafter
+from inkfw.speculative.engine import Engine, EngineConfig
+from inkfw.speculative.verifier import TargetVerifier
 
 ROOT = Path(__file__).resolve().parent.parent
 CKPT = ROOT / "checkpoints" / "inkling-tiny"

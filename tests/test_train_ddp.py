@@ -33,7 +33,7 @@ def test_ddp_matches_single_process(tmp_path):
 
 def _train_init() -> dict[str, torch.Tensor]:
     sys.path.insert(0, str(WORKER.parent))
-    from conftest import randomize_, tiny_config
+    from helpers.models import randomize_, tiny_config
 
     from inkfw.models.inkling.model import InklingLM
 

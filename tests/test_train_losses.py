@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from inkfw.errors import ConfigError
 from inkfw.models.inkling.model import InklingLM
 from inkfw.train.losses import depth_weights, mtp_losses, target_mask
-from conftest import randomize_, tiny_config
+from helpers.models import randomize_, tiny_config
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from inkfw.errors import ConfigError
 from inkfw.models.inkling.model import InklingLM
 from inkfw.train.module import InklingTrainModule, OptimConfig
-from conftest import randomize_, tiny_config
+from helpers.models import randomize_, tiny_config
 
 
 def _fit(module, batch, steps):

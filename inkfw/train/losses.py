@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from inkfw.errors import ConfigError
-from inkfw.spec.metrics import simulated_acceptance_length
+from inkfw.speculative.metrics import simulated_acceptance_length
 
 
 def depth_weights(num_depths: int, beta: float = 0.7, weights: Sequence[float] | None = None) -> torch.Tensor:

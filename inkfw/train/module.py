@@ -127,9 +127,9 @@ class InklingTrainModule(L.LightningModule):
     def engine_acceptance_length(self) -> float:
         """The real engine's mean acceptance length (greedy, k = D) on the held-out prompts."""
         from inkfw.cache.paged import PagedKVManager
-        from inkfw.spec.drafters import MtpDrafter
-        from inkfw.spec.engine import Engine
-        from inkfw.spec.verifier import TargetVerifier
+        from inkfw.speculative.drafters import MtpDrafter
+        from inkfw.speculative.engine import Engine
+        from inkfw.speculative.verifier import TargetVerifier
 
         was_training = self.model.training
         self.model.eval()

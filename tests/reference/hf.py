@@ -1,6 +1,6 @@
 """Hugging Face transformers (5.23) reference models for parity tests.
 
-Builds HF Inkling configs equivalent to an inkfw :class:`~inkfw.config.InklingConfig`,
+Builds HF Inkling configs equivalent to an inkfw :class:`~inkfw.models.inkling.config.InklingConfig`,
 randomises HF models with weights large enough that every component moves the logits, and
 writes them with ``save_pretrained`` (HF names for ``InklingForCausalLM``, the release layout
 for ``InklingForConditionalGeneration``).
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from inkfw.config import InklingConfig
+from inkfw.models.inkling.config import InklingConfig
 
 # tiny multimodal towers: HF builds them for InklingForConditionalGeneration, inkfw skips them
 TINY_VISION = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, patch_size=4,

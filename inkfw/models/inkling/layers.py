@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inkfw.cache.interface import ATTN_SCONV, K_SCONV, MLP_SCONV, V_SCONV, LayerCache
-from inkfw.config import InklingConfig
+from inkfw.models.inkling.config import InklingConfig
 
 
 class RMSNorm(nn.Module):

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from inkfw.cache.interface import LayerCache
-from inkfw.config import InklingConfig
+from inkfw.models.inkling.config import InklingConfig
 from inkfw.errors import ConfigError
 from inkfw.models.inkling.layers import Block, RMSNorm, Router, ShortConv, init_weights
 from inkfw.models.inkling.mtp import MtpStack

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from inkfw.cache.interface import LayerCache
-from inkfw.config import InklingConfig
+from inkfw.models.inkling.config import InklingConfig
 from inkfw.models.inkling.layers import Block, RMSNorm
 
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from inkfw.config import DraftView
-from inkfw.spec.interfaces import DraftSpan, Drafts, KVManager
-from inkfw.spec.sampling import Sampler, processed_probs
+from inkfw.speculative.draft_view import DraftView
+from inkfw.speculative.interfaces import DraftSpan, Drafts, KVManager
+from inkfw.speculative.sampling import Sampler, processed_probs
 
 
 @dataclass

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from inkfw.spec.sampling import Generators, exponential_draws, sample_with_noise, uniform_draws
+from inkfw.speculative.sampling import Generators, exponential_draws, sample_with_noise, uniform_draws
 
 
 def _draft_mask(num_drafts: torch.Tensor | None, batch: int, k: int, device: torch.device) -> torch.Tensor:
@@ -77,7 +77,7 @@ def rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | Non
 
     ``draft_tokens`` [B, k]; ``draft_probs`` q [B, k, V], the distributions the drafts were
     sampled from (None: greedy drafts, q one-hot at each draft); ``target_probs`` p
-    [B, k+1, V], already processed (:func:`~inkfw.spec.sampling.processed_probs`);
+    [B, k+1, V], already processed (:func:`~inkfw.speculative.sampling.processed_probs`);
     ``num_drafts`` [B] (None: all k).
 
     Draft i is accepted with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection

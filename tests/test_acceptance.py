@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from scipy.stats import chisquare
 
-import inkfw.spec.verify as verify
-from inkfw.spec.verify import emitted_tokens, greedy_accept, rejection_sample
+import inkfw.speculative.acceptance as verify
+from inkfw.speculative.acceptance import emitted_tokens, greedy_accept, rejection_sample
 
 V = 6
 N = 20_000

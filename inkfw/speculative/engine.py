@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from inkfw.errors import ConfigError
-from inkfw.spec.interfaces import DraftSpan, Drafter, Drafts, KVManager, Verifier
-from inkfw.spec.metrics import SpecMetrics
-from inkfw.spec.reference import reference_draft_logits
-from inkfw.spec.sampling import Sampler, SamplingParams
+from inkfw.speculative.interfaces import DraftSpan, Drafter, Drafts, KVManager, Verifier
+from inkfw.speculative.metrics import SpecMetrics
+from inkfw.speculative.reference import reference_draft_logits
+from inkfw.speculative.sampling import Sampler, SamplingParams
 
 
 class DraftCheckError(RuntimeError):

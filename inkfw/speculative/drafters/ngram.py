@@ -11,7 +11,7 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from inkfw.errors import ConfigError
-from inkfw.spec.interfaces import DraftSpan, Drafts, KVManager
+from inkfw.speculative.interfaces import DraftSpan, Drafts, KVManager
 
 
 def lookup(tokens: Sequence[int], num_tokens: int, min_n: int, max_n: int) -> list[int]:

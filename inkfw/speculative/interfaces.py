@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from inkfw.cache.interface import LayerCache
-from inkfw.spec.sampling import Generators, SamplingParams
+from inkfw.speculative.sampling import Generators, SamplingParams
 
 
 @runtime_checkable

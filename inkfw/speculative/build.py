@@ -1,4 +1,4 @@
-"""Build a ready :class:`~inkfw.spec.engine.Engine` from a composed Hydra config.
+"""Build a ready :class:`~inkfw.speculative.engine.Engine` from a composed Hydra config.
 
 The config is the one ``conf/infer.yaml`` composes; only ``model`` is required, everything
 else falls back to the defaults of the conf files:
@@ -26,9 +26,9 @@ from hydra.utils import instantiate
 from inkfw.checkpoint import read_tokenizer
 from inkfw.errors import ConfigError, InkfwError
 from inkfw.presets import build_model, resolve_path
-from inkfw.spec.engine import Engine, EngineConfig
-from inkfw.spec.sampling import Sampler
-from inkfw.spec.verifier import TargetVerifier
+from inkfw.speculative.engine import Engine, EngineConfig
+from inkfw.speculative.sampling import Sampler
+from inkfw.speculative.verifier import TargetVerifier
 
 DEFAULT_NGRAM_TOKENS = 4  # k for drafter=ngram when neither spec.num_tokens nor any depth says otherwise
 
@@ -56,7 +56,7 @@ def _int_option(name: str, value: Any, minimum: int, allow_null: bool = True, hi
 
 def drafter_kind(drafter_node: Any) -> str:
     """``mtp`` / ``ngram`` / ``none`` for the stock drafters, else the target's class name."""
-    target = str(_get(drafter_node, "_target_", "inkfw.spec.drafters.NoDrafter"))
+    target = str(_get(drafter_node, "_target_", "inkfw.speculative.drafters.NoDrafter"))
     cls = target.rsplit(".", 1)[-1]
     return DRAFTER_NAMES.get(cls, cls)
 
@@ -180,7 +180,7 @@ def engine_from_model(cfg: Any, model, tokenizer=None) -> Engine:
 
 
 def _no_drafter(**kwargs: Any):
-    from inkfw.spec.drafters import NoDrafter
+    from inkfw.speculative.drafters import NoDrafter
 
     return NoDrafter(**kwargs)
 

@@ -1,6 +1,6 @@
 """The target verifier: one forward over ``[x[L-1], d_1 .. d_k]`` per request, then acceptance.
 
-Greedy batches use :func:`~inkfw.spec.verify.greedy_accept`; as soon as one request samples,
+Greedy batches use :func:`~inkfw.speculative.acceptance.greedy_accept`; as soon as one request samples,
 the whole batch goes through lossless rejection sampling on processed probabilities (greedy
 rows get one-hot targets, so they still accept exactly the argmax prefix).
 """
@@ -11,9 +11,9 @@ from collections.abc import Sequence
 
 import torch
 
-from inkfw.spec.interfaces import Drafts, KVManager, RequestLike, Verdict
-from inkfw.spec.sampling import processed_probs
-from inkfw.spec.verify import greedy_accept, rejection_sample
+from inkfw.speculative.interfaces import Drafts, KVManager, RequestLike, Verdict
+from inkfw.speculative.sampling import processed_probs
+from inkfw.speculative.acceptance import greedy_accept, rejection_sample
 
 
 class TargetVerifier:

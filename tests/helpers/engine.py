@@ -9,14 +9,14 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from conftest import randomize_, tiny_config
+from helpers.models import randomize_, tiny_config
 from inkfw.cache.paged import PagedKVManager
-from inkfw.config import MtpConfig
+from inkfw.models.inkling.config import MtpConfig
 from inkfw.models.inkling.model import InklingLM
-from inkfw.spec.engine import Engine, EngineConfig, Request
-from inkfw.spec.interfaces import Drafts, Verdict
-from inkfw.spec.sampling import SamplingParams
-from inkfw.spec.verifier import TargetVerifier
+from inkfw.speculative.engine import Engine, EngineConfig, Request
+from inkfw.speculative.interfaces import Drafts, Verdict
+from inkfw.speculative.sampling import SamplingParams
+from inkfw.speculative.verifier import TargetVerifier
 
 WINDOW = 16  # target sliding window: prompts go up to 40 tokens, well past it
 MAX_LEN = 128  # max_position_embeddings of the test models (keeps default pools small)

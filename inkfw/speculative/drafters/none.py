@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from inkfw.spec.interfaces import DraftSpan, Drafts, KVManager
+from inkfw.speculative.interfaces import DraftSpan, Drafts, KVManager
 
 
 class NoDrafter:

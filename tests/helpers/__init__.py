@@ -1,0 +1,1 @@
+"""Test helpers: tiny models (``helpers.models``) and engine runners (``helpers.engine``)."""
