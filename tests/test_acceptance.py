@@ -1,4 +1,5 @@
-"""Verification: greedy acceptance on hand-built cases; rejection sampling is lossless.
+"""Verification: greedy acceptance on hand-built cases; rejection sampling is a pure function of
+its draws and is lossless.
 
 Losslessness is checked with chi-square tests over a small vocabulary: the first emitted
 token, and the first two, must follow the target's distribution whatever the drafter
@@ -15,6 +16,7 @@ from scipy.stats import chisquare
 
 import inkfw.speculative.acceptance as verify
 from inkfw.speculative.acceptance import emitted_tokens, greedy_accept, rejection_sample
+from inkfw.speculative.sampling import Generators, Sampler
 
 V = 6
 N = 20_000
@@ -32,6 +34,16 @@ def chisq_p(tokens: torch.Tensor, probs: torch.Tensor) -> float:
     counts = torch.bincount(tokens, minlength=probs.numel()).double()
     expected = probs.double() / probs.double().sum() * tokens.numel()
     return float(chisquare(counts.numpy(), expected.numpy()).pvalue)
+
+
+def sample_step(drafts: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor, num_drafts: torch.Tensor | None,
+                generators: Generators) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rejection-sampling step as the verifier runs it: the sampler draws the step's random
+    numbers from ``generators``, the pure :func:`rejection_sample` decides."""
+    B, k = drafts.shape
+    counts = num_drafts if num_drafts is not None else torch.full((B,), k)
+    uniforms, noise = Sampler().acceptance_draws(generators, counts, k, p.shape[-1], p.device)  # [B, k], [B, V]
+    return rejection_sample(drafts, q, p, uniforms, noise, num_drafts)
 
 
 def draw(probs: torch.Tensor, n: int, g: torch.Generator) -> torch.Tensor:
@@ -107,9 +119,39 @@ def test_rejection_sample_with_one_hot_target_is_greedy():
     q = torch.softmax(torch.randn(B, k, vocab, generator=g), -1)
     expected = greedy_accept(drafts, logits, num_drafts)
     for draft_probs in (q, None):
-        got = rejection_sample(drafts, draft_probs, F.one_hot(target_tokens, vocab).float(), num_drafts,
+        got = sample_step(drafts, draft_probs, F.one_hot(target_tokens, vocab).float(), num_drafts,
                                torch.Generator().manual_seed(2))
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def test_rejection_sample_follows_its_draws():
+    """Hand case, k = 2, V = 3: draft i is accepted iff u_i < p_i(d_i) / q_i(d_i); a rejection
+    samples from max(p_i - q_i, 0), the bonus from p_k, both through argmax(dist / noise)."""
+    p = torch.tensor([[[0.5, 0.3, 0.2], [0.2, 0.2, 0.6], [0.1, 0.1, 0.8]]])  # [1, 3, 3]
+    q = torch.tensor([[[0.25, 0.5, 0.25], [0.6, 0.2, 0.2]]])  # [1, 2, 3]
+    drafts = torch.tensor([[1, 0]])  # ratios p/q: 0.6, then 1/3
+    noise = torch.tensor([[1e-3, 1.0, 1.0]])  # favours token 0 wherever it has mass
+
+    def step(u0: float, u1: float) -> tuple[int, int]:
+        a, nxt = rejection_sample(drafts, q, p, torch.tensor([[u0, u1]], dtype=torch.float64), noise)
+        return int(a[0]), int(nxt[0])
+
+    assert step(0.59, 0.30) == (2, 0)  # both accepted; bonus from p_2 = [.1, .1, .8] with this noise: 0
+    assert step(0.61, 0.30) == (0, 0)  # rejected at 0: residual [.25, 0, 0]
+    assert step(0.59, 0.34) == (1, 2)  # rejected at 1: residual [0, 0, .4]
+    assert rejection_sample(drafts, q, p, torch.tensor([[0.59, 0.30]], dtype=torch.float64),
+                            torch.ones(1, 3))[1].item() == 2  # plain noise: the bonus is p_2's mode
+    a, nxt = rejection_sample(drafts, q, p, torch.tensor([[0.59, 0.30]], dtype=torch.float64), noise,
+                              torch.tensor([1]))  # one real draft: the bonus comes from p_1
+    assert (int(a[0]), int(nxt[0])) == (1, 0)
+
+
+def test_rejection_sample_rejects_bad_draw_shapes():
+    drafts, q, p = torch.zeros(2, 3, dtype=torch.long), None, torch.full((2, 4, 5), 0.2)
+    with pytest.raises(ValueError, match="uniforms"):
+        rejection_sample(drafts, q, p, torch.zeros(2, 2, dtype=torch.float64), torch.ones(2, 5))
+    with pytest.raises(ValueError, match="noise"):
+        rejection_sample(drafts, q, p, torch.zeros(2, 3, dtype=torch.float64), torch.ones(2, 4))
 
 
 # --------------------------------------------------------------------------- losslessness
@@ -119,7 +161,7 @@ def test_first_token_follows_target(kind, k):
     g = torch.Generator().manual_seed(10 + k)
     drafts, q = make_drafts(kind, [Q1, Q2][:k], g)
     p = torch.stack([P1, P2, P3][: k + 1])[None].expand(N, -1, -1)  # [N, k+1, V]
-    num_accepted, next_token = rejection_sample(drafts, q, p, None, g)
+    num_accepted, next_token = sample_step(drafts, q, p, None, g)
     first = torch.where(num_accepted > 0, drafts[:, 0], next_token)  # [N]
     assert chisq_p(first, P1) > ALPHA
     if kind == "sampled":
@@ -135,10 +177,10 @@ def first_two_tokens(kind: str, g: torch.Generator) -> torch.Tensor:
     """
     drafts, q = make_drafts(kind, [Q1, Q2], g)
     p = torch.stack([P1, P2, P3])[None].expand(N, -1, -1)  # [N, 3, V]
-    a, nxt = rejection_sample(drafts, q, p, None, g)
+    a, nxt = sample_step(drafts, q, p, None, g)
     out = emitted_tokens(drafts, a, nxt)  # [N, 3]
     drafts2, q2 = make_drafts(kind, [Q2], g)
-    a2, nxt2 = rejection_sample(drafts2, q2, torch.stack([P2, P3])[None].expand(N, -1, -1), None, g)
+    a2, nxt2 = sample_step(drafts2, q2, torch.stack([P2, P3])[None].expand(N, -1, -1), None, g)
     second = torch.where(a > 0, out[:, 1], emitted_tokens(drafts2, a2, nxt2)[:, 0])
     return out[:, 0] * V + second
 
@@ -154,8 +196,8 @@ def test_greedy_drafts_one_hot_and_none_agree():
     drafts = torch.randint(0, V, (500, 2), generator=g)
     p = torch.stack([P1, P2, P3])[None].expand(500, -1, -1)
     num_drafts = torch.randint(0, 3, (500,), generator=g)
-    a = rejection_sample(drafts, F.one_hot(drafts, V).float(), p, num_drafts, torch.Generator().manual_seed(4))
-    b = rejection_sample(drafts, None, p, num_drafts, torch.Generator().manual_seed(4))
+    a = sample_step(drafts, F.one_hot(drafts, V).float(), p, num_drafts, torch.Generator().manual_seed(4))
+    b = sample_step(drafts, None, p, num_drafts, torch.Generator().manual_seed(4))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
@@ -165,7 +207,7 @@ def test_bonus_follows_target_at_num_drafts():
     drafts = torch.stack([draw(P1, N, g), draw(P2, N, g)], dim=1)  # [N, 2]
     p = torch.stack([P1, P2, P3])[None].expand(N, -1, -1)  # [N, 3, V]
     num_drafts = torch.arange(N) % 3  # 0, 1 and 2 drafts
-    num_accepted, bonus = rejection_sample(drafts, p[:, :2], p, num_drafts, g)
+    num_accepted, bonus = sample_step(drafts, p[:, :2], p, num_drafts, g)
     assert torch.equal(num_accepted, num_drafts)
     for n, probs in enumerate([P1, P2, P3]):
         assert chisq_p(bonus[num_drafts == n], probs) > ALPHA
@@ -174,7 +216,7 @@ def test_bonus_follows_target_at_num_drafts():
 def test_zero_drafts_is_plain_sampling():
     g = torch.Generator().manual_seed(40)
     p = P1[None, None].expand(N, 1, V)
-    num_accepted, token = rejection_sample(torch.zeros(N, 0, dtype=torch.long), torch.zeros(N, 0, V), p, None, g)
+    num_accepted, token = sample_step(torch.zeros(N, 0, dtype=torch.long), torch.zeros(N, 0, V), p, None, g)
     assert num_accepted.eq(0).all()
     assert chisq_p(token, P1) > ALPHA
 
@@ -191,7 +233,7 @@ def test_zero_probability_tokens_are_never_emitted():
     p = torch.tensor([0.5, 0.0, 0.5, 0.0, 0.0, 0.0])
     q = torch.full((V,), 1 / V)
     drafts = draw(q, 4000, g)[:, None]  # [4000, 1]
-    a, nxt = rejection_sample(drafts, q[None, None].expand(4000, 1, V), p[None, None].expand(4000, 2, V), None, g)
+    a, nxt = sample_step(drafts, q[None, None].expand(4000, 1, V), p[None, None].expand(4000, 2, V), None, g)
     first = torch.where(a > 0, drafts[:, 0], nxt)
     assert set(first.tolist()) <= {0, 2} and set(nxt.tolist()) <= {0, 2}
 
@@ -207,7 +249,7 @@ def test_negative_control_resample_from_target_is_caught(monkeypatch):
     monkeypatch.setattr(verify, "_residual", lambda p, q: p)
     g = torch.Generator().manual_seed(11)
     drafts, q = make_drafts("sampled", [Q1], g)
-    num_accepted, next_token = rejection_sample(drafts, q, torch.stack([P1, P2])[None].expand(N, -1, -1), None, g)
+    num_accepted, next_token = sample_step(drafts, q, torch.stack([P1, P2])[None].expand(N, -1, -1), None, g)
     first = torch.where(num_accepted > 0, drafts[:, 0], next_token)
     assert chisq_p(first, P1) < POWER
 
@@ -234,12 +276,12 @@ def test_per_row_generators_ignore_batch_composition():
     def gens(rows):
         return [torch.Generator().manual_seed(seeds[r]) for r in rows]
 
-    together = rejection_sample(drafts, q, p, num_drafts, gens(range(4)))
+    together = sample_step(drafts, q, p, num_drafts, gens(range(4)))
     for r in range(4):
-        alone = rejection_sample(drafts[r:r + 1], q[r:r + 1], p[r:r + 1], num_drafts[r:r + 1], gens([r]))
+        alone = sample_step(drafts[r:r + 1], q[r:r + 1], p[r:r + 1], num_drafts[r:r + 1], gens([r]))
         assert alone[0].item() == together[0][r].item() and alone[1].item() == together[1][r].item()
     # a row's outcome does not depend on the batch's padded width either
-    wide = rejection_sample(torch.cat([drafts, drafts[:, :1]], 1), torch.cat([q, q[:, :1]], 1),
+    wide = sample_step(torch.cat([drafts, drafts[:, :1]], 1), torch.cat([q, q[:, :1]], 1),
                             torch.cat([p, p[:, :1]], 1), num_drafts, gens(range(4)))
     assert torch.equal(wide[0], together[0]) and torch.equal(wide[1], together[1])
 
@@ -251,7 +293,7 @@ def test_emitted_tokens_layout():
 
 
 def test_empty_batch():
-    a, nxt = rejection_sample(torch.zeros(0, 2, dtype=torch.long), None, torch.zeros(0, 3, V), None, [])
+    a, nxt = sample_step(torch.zeros(0, 2, dtype=torch.long), None, torch.zeros(0, 3, V), None, [])
     assert a.shape == nxt.shape == (0,)
     a, bonus = greedy_accept(torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 3, V))
     assert a.shape == bonus.shape == (0,)

@@ -6,20 +6,33 @@ that check although its output is still exact; bad requests are refused cleanly.
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 
 import pytest
 import torch
 
 import inkfw.speculative.drafters.mtp as mtp_module
+from helpers.engine import (  # noqa: F401
+    NO_DRAFTER,
+    OracleDrafter,
+    double,
+    generate,
+    make_engine,
+    mtp,
+    ngram,
+    one_thread,
+    outputs,
+    random_accept,
+    random_prompts,
+    spec_model,
+    uncached_greedy,
+)
 from inkfw.errors import ConfigError
-from inkfw.speculative.drafters import MtpDrafter, NgramDrafter, NoDrafter
 from inkfw.speculative.engine import DraftCheckError
-from inkfw.speculative.interfaces import Drafts
+from inkfw.speculative.interfaces import FinishReason, RequestStatus
+from inkfw.speculative.observers import EngineObserver
 from inkfw.speculative.sampling import SamplingParams
-
-from helpers.engine import (RandomAcceptVerifier, generate, make_engine, one_thread, outputs,  # noqa: F401
-                          random_prompts, spec_model, uncached_greedy)
 
 VOCAB = 120  # logits vocabulary of spec_model()
 
@@ -58,8 +71,8 @@ def test_greedy_mtp_equals_none(model, case):
     budget = [512, 9, 64, 13][case % 4]  # small budgets: chunked prefill
     seqs = [16, 3][case % 5 == 4]  # fewer slots than requests: a queue
     new = rng.randint(8, 12)
-    ref, _, _ = generate(model, NoDrafter(), prompts, new, prefix_caching=prefix, check_drafts=False)
-    reqs, eng, _ = generate(model, MtpDrafter(model, num_tokens=k, num_depths=D), prompts, new,
+    ref, _, _ = generate(model, NO_DRAFTER, prompts, new, prefix_caching=prefix, check_drafts=False)
+    reqs, eng, _ = generate(model, mtp(D, k), prompts, new,
                             prefix_caching=prefix, max_num_batched_tokens=budget, max_num_seqs=seqs)
     assert outputs(reqs) == outputs(ref)
     assert eng.metrics.num_draft_tokens > 0
@@ -68,47 +81,17 @@ def test_greedy_mtp_equals_none(model, case):
 def test_none_equals_uncached_greedy(model):
     rng = random.Random(7)
     prompts = random_prompts(rng, 5, VOCAB) + [[3], [4, 5]]
-    reqs, _, _ = generate(model, NoDrafter(), prompts, 10, max_num_batched_tokens=11)
+    reqs, _, _ = generate(model, NO_DRAFTER, prompts, 10, max_num_batched_tokens=11)
     assert outputs(reqs) == [uncached_greedy(model, p, 10) for p in prompts]
 
 
 def test_ngram_equals_none(model):
     rng = random.Random(8)
     prompts = [[rng.randrange(VOCAB) for _ in range(5)] * 5 for _ in range(4)]
-    ref, _, _ = generate(model, NoDrafter(), prompts, 12)
-    reqs, eng, _ = generate(model, NgramDrafter(num_tokens=3), prompts, 12)
+    ref, _, _ = generate(model, NO_DRAFTER, prompts, 12)
+    reqs, eng, _ = generate(model, ngram(3), prompts, 12)
     assert outputs(reqs) == outputs(ref)
     assert eng.metrics.num_draft_tokens > 0
-
-
-class OracleDrafter:
-    """Drafter test double: proposes the target's own greedy continuation (computed without a
-    cache), each draft corrupted with probability 1/4 (seeded), so real greedy verification
-    accepts long and varied prefixes."""
-
-    lookahead = 0
-    num_depths = 0
-    needs_hidden = False
-
-    def __init__(self, continuations: dict[tuple[int, ...], list[int]], num_tokens: int, seed: int = 0):
-        self.continuations, self.num_tokens, self.rng = continuations, num_tokens, random.Random(seed)
-
-    def propose(self, spans, kv) -> Drafts:
-        tokens = torch.zeros(len(spans), self.num_tokens, dtype=torch.long)
-        num = torch.zeros(len(spans), dtype=torch.long)
-        for b, span in enumerate(spans):
-            r = span.request
-            full = self.continuations[tuple(r.prompt_token_ids)]
-            L, n = len(r.token_ids), min(self.num_tokens, span.num_drafts)
-            assert r.token_ids == full[:L]  # greedy verification never lets a wrong token through
-            true = (full[L: L + n] + [0] * n)[:n]
-            drafts = [t if self.rng.random() < 0.75 else (t + 1) % VOCAB for t in true]
-            tokens[b, :n] = torch.tensor(drafts, dtype=torch.long)
-            num[b] = n
-        return Drafts(tokens, num)
-
-    def release(self, rid) -> None:
-        pass
 
 
 def test_accepted_drafts_keep_greedy_output(model):
@@ -118,7 +101,9 @@ def test_accepted_drafts_keep_greedy_output(model):
     prompts = random_prompts(rng, 6, VOCAB)
     k = 5
     continuations = {tuple(p): p + uncached_greedy(model, p, 16) for p in prompts}
-    reqs, eng, _ = generate(model, OracleDrafter(continuations, k), prompts, 16, max_num_batched_tokens=20)
+    oracle = double("drafter", OracleDrafter, horizon=16) + [f"spec.num_tokens={k}"]
+    reqs, eng, _ = generate(model, oracle, prompts, 16, max_num_batched_tokens=20)
+    assert isinstance(eng.drafter, OracleDrafter) and eng.drafter.num_tokens == k
     assert [r.token_ids for r in reqs] == [continuations[tuple(p)] for p in prompts]
     m = eng.metrics
     assert m.num_accepted_tokens > 0.25 * m.num_draft_tokens and m.accepted_per_position[k - 1] > 0
@@ -130,8 +115,8 @@ def test_preemption_keeps_greedy_output(model, prefix):
     rng = random.Random(11)
     prompts = random_prompts(rng, 8, VOCAB, lo=10, hi=40)
     prompts[1] = prompts[0][:30] + prompts[1][:4]
-    ref, _, _ = generate(model, NoDrafter(), prompts, 12, check_drafts=False)
-    reqs, _, _ = generate(model, MtpDrafter(model, num_tokens=5, num_depths=3), prompts, 12,
+    ref, _, _ = generate(model, NO_DRAFTER, prompts, 12, check_drafts=False)
+    reqs, _, _ = generate(model, mtp(3, 5), prompts, 12,
                           prefix_caching=prefix, num_blocks=24, max_num_batched_tokens=32)
     assert max(r.num_preemptions for r in reqs) > 0
     assert outputs(reqs) == outputs(ref)
@@ -141,7 +126,7 @@ def test_request_larger_than_pool_fails_alone(model):
     """A request that cannot fit even alone finishes with an error; the others complete."""
     rng = random.Random(12)
     prompts = random_prompts(rng, 3, VOCAB, lo=5, hi=8)
-    eng, kv = make_engine(model, NoDrafter(), num_blocks=4)
+    eng, kv = make_engine(model, NO_DRAFTER, num_blocks=4)
     small = [eng.add_request(p, max_new_tokens=4) for p in prompts]
     big = eng.add_request(list(range(1, 40)), max_new_tokens=4)
     eng.generate(small + [big])
@@ -157,7 +142,7 @@ def test_greedy_rows_exact_next_to_sampled_rows(model):
     rng = random.Random(13)
     prompts = random_prompts(rng, 6, VOCAB, lo=1, hi=30)
     params = [SamplingParams() if i % 2 == 0 else SamplingParams(temperature=0.9, top_k=20, seed=i) for i in range(6)]
-    reqs, _, _ = generate(model, MtpDrafter(model, num_tokens=4, num_depths=2), prompts, 10, params=params)
+    reqs, _, _ = generate(model, mtp(2, 4), prompts, 10, params=params)
     assert [r.output_token_ids for r in reqs[::2]] == [uncached_greedy(model, p, 10) for p in prompts[::2]]
 
 
@@ -166,9 +151,8 @@ def test_max_model_len_limits_drafts(model):
     as there is room for; drafts stay exact up to the last position."""
     rng = random.Random(14)
     prompts = random_prompts(rng, 4, VOCAB, lo=10, hi=25)
-    verifier = RandomAcceptVerifier(seed=6)
-    reqs, _, _ = generate(model, MtpDrafter(model, num_tokens=7, num_depths=4), prompts, 60, verifier=verifier,
-                          max_model_len=32)
+    reqs, eng, _ = generate(model, mtp(4, 7), prompts, 60, verifier=random_accept(seed=6), max_model_len=32)
+    verifier = eng.verifier
     for r in reqs:
         assert len(r.token_ids) == 32 or r.finish_reason == "stop"
     assert any(r.finish_reason == "length" for r in reqs)
@@ -187,10 +171,10 @@ def test_random_acceptance_drafts_match_reference(model, D, k):
     """Every a' in [0, n] occurs; check_drafts holds after each (re-prefill r = P-1-a')."""
     rng = random.Random(100 * D + k)
     prompts = [[rng.randrange(VOCAB)], [rng.randrange(VOCAB) for _ in range(2)]] + random_prompts(rng, 6, VOCAB)
-    verifier = RandomAcceptVerifier(seed=D * 10 + k)
     params = [SamplingParams(), SamplingParams(), SamplingParams(temperature=1.0, seed=1)] + [SamplingParams()] * 5
-    generate(model, MtpDrafter(model, num_tokens=k, num_depths=D), prompts, [20, 20, 20, 1, 3, 20, 20, 20],
-             params=params, verifier=verifier, max_num_batched_tokens=[512, 9][k % 2])
+    _, eng, _ = generate(model, mtp(D, k), prompts, [20, 20, 20, 1, 3, 20, 20, 20], params=params,
+                         verifier=random_accept(seed=D * 10 + k), max_num_batched_tokens=[512, 9][k % 2])
+    verifier = eng.verifier
     seen = {a for _, _, _, a, _ in verifier.history}
     assert seen == set(range(k + 1)), f"acceptance counts seen: {sorted(seen)}"
     assert {a for _, _, n, a, _ in verifier.history if n == k} >= {0, k}
@@ -202,9 +186,9 @@ def test_random_acceptance_chunked_prefix_cached(model):
     base = random_prompts(rng, 1, VOCAB, lo=30, hi=30)[0]
     prompts = [base[: rng.randint(20, 30)] + [rng.randrange(VOCAB) for _ in range(rng.randint(0, 5))]
                for _ in range(8)]
-    verifier = RandomAcceptVerifier(seed=3)
-    reqs, _, _ = generate(model, MtpDrafter(model, num_tokens=6, num_depths=3), prompts, 14, verifier=verifier,
-                          num_blocks=16, max_num_batched_tokens=11)
+    reqs, eng, _ = generate(model, mtp(3, 6), prompts, 14, verifier=random_accept(seed=3),
+                            num_blocks=16, max_num_batched_tokens=11)
+    verifier = eng.verifier
     assert max(r.num_preemptions for r in reqs) > 0
     assert max(a for _, _, _, a, _ in verifier.history) == 6
 
@@ -213,8 +197,8 @@ def test_random_acceptance_chunked_prefix_cached(model):
 def test_prompts_shorter_than_lookahead(model, D, k):
     """1- and 2-token prompts with P = min(D, k) > prompt length: r never reaches before position 0."""
     prompts = [[7], [9, 3], [5], [1, 2]]
-    verifier = RandomAcceptVerifier(seed=k)
-    reqs, _, _ = generate(model, MtpDrafter(model, num_tokens=k, num_depths=D), prompts, 30, verifier=verifier)
+    reqs, eng, _ = generate(model, mtp(D, k), prompts, 30, verifier=random_accept(seed=k))
+    verifier = eng.verifier
     assert all(len(r.output_token_ids) == 30 or r.finish_reason == "stop" for r in reqs)
     # the first verify after a 1-token prompt has no drafts; later ones do, at every acceptance
     assert {a for _, _, _, a, _ in verifier.history} == set(range(k + 1))
@@ -226,9 +210,8 @@ def test_finish_inside_accepted_drafts(model, monkeypatch):
     frees its blocks mid-step, and the other requests are unaffected."""
     rng = random.Random(21)
     prompts = random_prompts(rng, 6, VOCAB, lo=1, hi=30)
-    drafter = lambda m: MtpDrafter(m, num_tokens=5, num_depths=4)  # noqa: E731
-    first = RandomAcceptVerifier(seed=9, p_argmax=1.0)
-    reqs, _, _ = generate(model, drafter(model), prompts, 16, verifier=first)
+    reqs, eng, _ = generate(model, mtp(4, 5), prompts, 16, verifier=random_accept(seed=9, p_argmax=1.0))
+    first = eng.verifier
     base = outputs(reqs)
     # a token whose first occurrence in some output is an accepted draft followed by more
     # tokens of the same verify step: make it an end token
@@ -242,8 +225,8 @@ def test_finish_inside_accepted_drafts(model, monkeypatch):
             out.append(t)
     assert eos is not None
     monkeypatch.setattr(model, "cfg", dataclasses.replace(model.cfg, eos_token_id=[*model.cfg.eos_token_ids, eos]))
-    second = RandomAcceptVerifier(seed=9, p_argmax=1.0)
-    reqs, _, _ = generate(model, drafter(model), prompts, 16, verifier=second)
+    reqs, eng, _ = generate(model, mtp(4, 5), prompts, 16, verifier=random_accept(seed=9, p_argmax=1.0))
+    second = eng.verifier
     stops = set(model.cfg.eos_token_ids)
     for r, full in zip(reqs, base):
         cut = next((i + 1 for i, t in enumerate(full) if t in stops), len(full))
@@ -251,7 +234,7 @@ def test_finish_inside_accepted_drafts(model, monkeypatch):
         assert (r.finish_reason == "stop") == (cut < len(full) or full[-1] in stops)
     # the stop really happened inside a verify step's accepted drafts
     last_step = {}
-    for rid, step, _, a, emitted in second.history:
+    for rid, _step, _, a, emitted in second.history:
         last_step[rid] = (a, emitted)
     assert any(r.output_token_ids[-1] == eos and last_step[r.id][1].index(eos) < last_step[r.id][0]
                for r in reqs if r.output_token_ids and r.output_token_ids[-1] == eos)
@@ -266,7 +249,7 @@ def test_sampled_drafts_match_reference_with_real_acceptance(small_vocab_model, 
     prompts = random_prompts(rng, 8, 12, lo=1, hi=24)
     params = [SamplingParams(temperature=1.0, seed=i, top_k=[None, 5][i % 2], top_p=[1.0, 0.9][i % 3 == 0])
               for i in range(8)]
-    reqs, eng, _ = generate(m, MtpDrafter(m, num_tokens=k, num_depths=D), prompts, 14, params=params)
+    reqs, eng, _ = generate(m, mtp(D, k), prompts, 14, params=params)
     assert eng.metrics.num_accepted_tokens > 0.1 * eng.metrics.num_draft_tokens
     assert eng.metrics.accepted_per_position[k - 1] > 0
 
@@ -292,12 +275,11 @@ def test_check_drafts_catches_broken_reprefill(model, monkeypatch, breakage):
     rng = random.Random(31)
     prompts = random_prompts(rng, 4, VOCAB, lo=5, hi=30)
     monkeypatch.setattr(mtp_module, "_RowState", breakage)
-    ref, _, _ = generate(model, NoDrafter(), prompts, 10, check_drafts=False)
-    broken, _, _ = generate(model, MtpDrafter(model, num_tokens=4, num_depths=4), prompts, 10, check_drafts=False)
+    ref, _, _ = generate(model, NO_DRAFTER, prompts, 10, check_drafts=False)
+    broken, _, _ = generate(model, mtp(4, 4), prompts, 10, check_drafts=False)
     assert outputs(broken) == outputs(ref)
     with pytest.raises(DraftCheckError, match="check_drafts: request"):
-        generate(model, MtpDrafter(model, num_tokens=4, num_depths=4), prompts, 10,
-                 verifier=RandomAcceptVerifier(seed=1))
+        generate(model, mtp(4, 4), prompts, 10, verifier=random_accept(seed=1))
 
 
 class _WrongDecodeDepth:
@@ -318,11 +300,12 @@ class _WrongDecodeDepth:
 
 def test_check_drafts_catches_wrong_decode_depth(model):
     """Decode steps (k > D) must cycle depths s % D; a drafter that does not is caught."""
-    drafter = MtpDrafter(model, num_tokens=5, num_depths=3)
-    drafter.model = _WrongDecodeDepth(model)
+    eng, _ = make_engine(model, mtp(3, 5))
+    eng.drafter.model = _WrongDecodeDepth(model)
     prompts = [[5, 6, 7, 8, 9, 10], [3, 1, 4, 1, 5]]  # >= 3 tokens: no prefill span is one position long
+    reqs = [eng.add_request(p, max_new_tokens=10) for p in prompts]
     with pytest.raises(DraftCheckError, match=r"draft 4 of 5 \(depth 0\)"):
-        generate(model, drafter, prompts, 10)
+        eng.generate(reqs)
 
 
 # --------------------------------------------------------------------------- bad requests
@@ -335,7 +318,7 @@ def test_check_drafts_catches_wrong_decode_depth(model):
     ([1, 2, 3], {"max_new_tokens": 2.5}, "max_new_tokens"),
 ])
 def test_bad_request_is_refused_and_others_complete(model, prompt, kw, needle):
-    eng, kv = make_engine(model, MtpDrafter(model, num_tokens=3, num_depths=2), max_model_len=40)
+    eng, kv = make_engine(model, mtp(2, 3), max_model_len=40)
     good = [eng.add_request([5, 6, 7], max_new_tokens=6)]
     with pytest.raises(ConfigError) as err:
         eng.add_request(prompt, **kw)
@@ -347,3 +330,57 @@ def test_bad_request_is_refused_and_others_complete(model, prompt, kw, needle):
     eng.generate(good)
     assert outputs(good) == [uncached_greedy(model, p, 6) for p in ([5, 6, 7], [8, 9])]
     assert kv.is_whole()
+
+
+# --------------------------------------------------------------------------- observers
+class Recorder(EngineObserver):
+    def __init__(self):
+        self.events: list[tuple] = []
+
+    def on_forward_start(self, phase):
+        self.events.append(("start", phase))
+
+    def on_forward_end(self, phase, seconds):
+        assert seconds >= 0
+        self.events.append(("end", phase, seconds))
+
+    def on_step_end(self, engine, finished):
+        self.events.append(("step", engine.times.num_steps, [r.id for r in finished]))
+
+
+@pytest.mark.parametrize("drafter, phases", [(NO_DRAFTER, {"target"}), (mtp(3, 4), {"target", "draft"})])
+def test_observers_see_every_forward_and_step(model, drafter, phases):
+    """Every model call is one start/end pair of its phase, their seconds add up to the engine's
+    forward time, every step ends with the requests that finished in it; a removed observer
+    hears nothing more."""
+    eng, _ = make_engine(model, drafter, check_drafts=False)
+    rec, late = Recorder(), Recorder()
+    eng.add_observer(rec)
+    reqs = [eng.add_request([3, 1, 4, 1, 5, 9], max_new_tokens=5), eng.add_request([2, 7], max_new_tokens=8)]
+    eng.generate(reqs)
+    forwards = [e for e in rec.events if e[0] != "step"]
+    assert [e[:2] for e in forwards[::2]] == [("start", e[1]) for e in forwards[1::2]]  # start, end, start, end ...
+    assert {e[1] for e in forwards} == phases
+    assert sum(e[2] for e in forwards if e[0] == "end") == pytest.approx(eng.times.forward_s)
+    steps = [e for e in rec.events if e[0] == "step"]
+    assert [s[1] for s in steps] == list(range(1, eng.times.num_steps + 1))
+    assert sorted(i for s in steps for i in s[2]) == sorted(r.id for r in reqs)
+    eng.remove_observer(rec)
+    eng.add_observer(late)
+    before = len(rec.events)
+    eng.generate([eng.add_request([4, 4], max_new_tokens=2)])
+    assert len(rec.events) == before and late.events
+
+
+def test_status_and_finish_reason_are_named_strings(model):
+    """Request status and finish reason are enums whose values are the strings JSON shows."""
+    eng, _ = make_engine(model, NO_DRAFTER, check_drafts=False)
+    r = eng.add_request([5, 6, 7], max_new_tokens=3)
+    assert r.status is RequestStatus.WAITING and r.finish_reason is None
+    eng.step()
+    assert r.status is RequestStatus.RUNNING
+    eng.generate([r])
+    assert r.status is RequestStatus.FINISHED and r.finished
+    assert r.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+    assert json.dumps([r.status, r.finish_reason]) == f'["finished", "{r.finish_reason.value}"]'
+    assert f"{r.finish_reason}" == r.finish_reason.value and r.finish_reason == r.finish_reason.value

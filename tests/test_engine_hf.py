@@ -7,16 +7,12 @@ import random
 
 import pytest
 import torch
-
-from helpers.models import randomize_, tiny_config
-from inkfw.cache.paged import PagedKVManager
-from inkfw.checkpoint import export_checkpoint, load_model
-from inkfw.models.inkling.model import InklingLM
-from inkfw.speculative.drafters import MtpDrafter, NoDrafter
-from inkfw.speculative.engine import Engine, EngineConfig
-from inkfw.speculative.verifier import TargetVerifier
 from reference.hf import TINY_AUDIO, TINY_VISION
-from helpers.engine import one_thread  # noqa: F401
+
+from helpers.engine import NO_DRAFTER, make_engine, mtp, one_thread  # noqa: F401
+from helpers.models import randomize_, tiny_config
+from inkfw.models.inkling.checkpoint import export_checkpoint, load_model
+from inkfw.models.inkling.model import InklingLM
 
 NEW = 14
 _rng = random.Random(0)
@@ -50,11 +46,9 @@ def hf_outputs(exported):
     return outs
 
 
-def _engine_outputs(model, drafter, max_num_batched_tokens: int = 512) -> list[list[int]]:
-    kv = PagedKVManager(model, num_draft_depths=drafter.num_depths, lookahead=drafter.lookahead,
-                        num_draft_tokens=drafter.num_tokens, block_size=4, num_blocks=64, max_model_len=64)
-    eng = Engine(model, drafter, TargetVerifier(), kv,
-                 config=EngineConfig(check_drafts=True, max_num_batched_tokens=max_num_batched_tokens))
+def _engine_outputs(model, drafter: list[str], max_num_batched_tokens: int = 512) -> list[list[int]]:
+    eng, kv = make_engine(model, drafter, num_blocks=64, max_model_len=64, check_drafts=True,
+                          max_num_batched_tokens=max_num_batched_tokens)
     reqs = [eng.add_request(p, max_new_tokens=NEW) for p in PROMPTS]
     eng.generate(reqs)
     assert kv.is_whole()
@@ -69,12 +63,12 @@ def test_hf_reference_is_not_trivial(hf_outputs):
 
 def test_none_matches_hf_generate(exported, hf_outputs):
     model, _ = load_model(exported, mtp_depths=0, dtype=torch.float32)
-    assert _engine_outputs(model, NoDrafter()) == hf_outputs
-    assert _engine_outputs(model, NoDrafter(), max_num_batched_tokens=7) == hf_outputs  # chunked prefill
+    assert _engine_outputs(model, NO_DRAFTER) == hf_outputs
+    assert _engine_outputs(model, NO_DRAFTER, max_num_batched_tokens=7) == hf_outputs  # chunked prefill
 
 
 @pytest.mark.parametrize("D,k", [(3, 3), (2, 5)])
 def test_mtp_matches_hf_generate(exported, hf_outputs, D, k):
     model, _ = load_model(exported, mtp_depths=3, dtype=torch.float32)
     assert model.num_mtp_depths == 3
-    assert _engine_outputs(model, MtpDrafter(model, num_tokens=k, num_depths=D)) == hf_outputs
+    assert _engine_outputs(model, mtp(D, k)) == hf_outputs

@@ -1,27 +1,24 @@
 """Lossless speculative sampling, end to end: with MTP drafts (often accepted on a 12-token
 vocabulary) the engine's sampled tokens follow the target's exact distribution, computed here
 with plain uncached forwards and compared by chi-square over thousands of seeded requests.
-A verifier that accepts every draft fails the same comparison (the test has power)."""
+A verifier that accepts every draft, chosen through the config like any verifier, fails the
+same comparison (the test has power)."""
 
 from __future__ import annotations
 
-import itertools
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
 
-import inkfw.speculative.verifier as verifier_module
-from inkfw.cache.paged import PagedKVManager
+from helpers.engine import AcceptAllVerifier, double, mtp, one_thread  # noqa: F401
+from helpers.models import randomize_, tiny_config
 from inkfw.models.inkling.model import InklingLM
-from inkfw.speculative.drafters import MtpDrafter
-from inkfw.speculative.engine import Engine, EngineConfig
+from inkfw.speculative.factory import build_engine, serving_config
 from inkfw.speculative.sampling import SamplingParams, processed_probs
 from inkfw.speculative.verifier import TargetVerifier
-
-from helpers.models import randomize_, tiny_config
-from helpers.engine import one_thread  # noqa: F401
 
 V = 12  # logits vocabulary
 PROMPT = [3, 7, 1, 9, 4]
@@ -74,15 +71,16 @@ def chi2_pvalue(samples: np.ndarray, expected_probs: np.ndarray) -> float:
     return float(chisquare(obs_b, exp_b).pvalue)
 
 
-def sample_tokens(model, drafter, params: list[SamplingParams], max_new_tokens: int):
-    """One engine, one request per params entry (each with its own seed); returns
-    ([N, max_new_tokens] tokens, engine)."""
+def sample_tokens(model, drafter: Sequence[str], params: list[SamplingParams], max_new_tokens: int,
+                  verifier: Sequence[str] = ()):
+    """One engine from the serving factory (``drafter``, ``verifier``: config overrides), one
+    request per params entry (each with its own seed); returns ([N, max_new_tokens] tokens, engine)."""
     N = len(params)
-    kv = PagedKVManager(model, num_draft_depths=drafter.num_depths, lookahead=drafter.lookahead,
-                        num_draft_tokens=drafter.num_tokens, block_size=4, num_blocks=4 * N, max_model_len=64,
-                        max_num_seqs=N, max_num_batched_tokens=16 * N, enable_prefix_caching=False)
-    eng = Engine(model, drafter, TargetVerifier(), kv,
-                 config=EngineConfig(max_num_seqs=N, max_num_batched_tokens=16 * N, max_model_len=64))
+    cfg = serving_config(["model=inkling-debug", *drafter, *verifier, "kv.block_size=4", f"kv.num_blocks={4 * N}",
+                          "kv.enable_prefix_caching=false", f"engine.max_num_seqs={N}",
+                          f"engine.max_num_batched_tokens={16 * N}", "engine.max_model_len=64"])
+    eng, _ = build_engine(cfg, model=model)
+    kv = eng.kv
     reqs = [eng.add_request(PROMPT, p, max_new_tokens=max_new_tokens) for p in params]
     eng.generate(reqs)
     assert kv.is_whole()
@@ -103,8 +101,8 @@ def test_sampled_tokens_follow_target(lm, D, k):
     are distributed as the target's own sampling, with most drafts accepted."""
     N = 2400
     params = SamplingParams(temperature=1.0)
-    tokens, eng = sample_tokens(lm, MtpDrafter(lm, num_tokens=k, num_depths=D),
-                                [SamplingParams(temperature=1.0, seed=i) for i in range(N)], k + 1)
+    tokens, eng = sample_tokens(lm, mtp(D, k), [SamplingParams(temperature=1.0, seed=i) for i in range(N)], k + 1)
+    assert type(eng.verifier) is TargetVerifier  # verifier=target, the default
     m = eng.metrics
     assert m.num_accepted_tokens > 0.3 * m.num_draft_tokens  # drafts matter: many tokens come from them
     assert m.accepted_per_position[2] > 0.05 * N  # third drafts accepted too
@@ -119,7 +117,7 @@ def test_top_k_top_p_first_tokens(lm):
     N = 1200
     variants = [SamplingParams(temperature=1.0, top_k=4), SamplingParams(temperature=0.7, top_p=0.8)]
     params = [dataclass_with_seed(variants[i % 2], i) for i in range(2 * N)]
-    tokens, eng = sample_tokens(lm, MtpDrafter(lm, num_tokens=3, num_depths=3), params, 3)
+    tokens, eng = sample_tokens(lm, mtp(3, 3), params, 3)
     assert eng.metrics.num_accepted_tokens > 0.3 * eng.metrics.num_draft_tokens
     for j, v in enumerate(variants):
         expected = exact_marginals(lm, v, 1)[0]
@@ -132,21 +130,14 @@ def dataclass_with_seed(p: SamplingParams, seed: int) -> SamplingParams:
     return SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=seed)
 
 
-def test_always_accepting_verifier_is_detected(lm, monkeypatch):
+def test_always_accepting_verifier_is_detected(lm):
     """Negative control: a lossy verifier that accepts every draft (then samples the bonus from
-    p) emits the drafter's distribution, and the same comparison rejects it outright."""
-
-    def accept_all(draft_tokens, draft_probs, target_probs, num_drafts=None, generators=None):
-        B = draft_tokens.shape[0]
-        num = num_drafts if num_drafts is not None else torch.full((B,), draft_tokens.shape[1])
-        nxt = torch.stack([torch.multinomial(target_probs[b, int(num[b])], 1, generator=g)[0]
-                           for b, g in zip(range(B), generators or itertools.repeat(None))])
-        return num.long(), nxt
-
-    monkeypatch.setattr(verifier_module, "rejection_sample", accept_all)
+    p), selected with a ``verifier`` override, emits the drafter's distribution, and the same
+    comparison rejects it outright."""
     N = 1500
-    tokens, eng = sample_tokens(lm, MtpDrafter(lm, num_tokens=2, num_depths=2),
-                                [SamplingParams(temperature=1.0, seed=i) for i in range(N)], 3)
+    tokens, eng = sample_tokens(lm, mtp(2, 2), [SamplingParams(temperature=1.0, seed=i) for i in range(N)], 3,
+                                verifier=double("verifier", AcceptAllVerifier))
+    assert type(eng.verifier) is AcceptAllVerifier
     assert eng.metrics.num_accepted_tokens == eng.metrics.num_draft_tokens
     exact = exact_marginals(lm, SamplingParams(temperature=1.0), 2)
     assert chi2_pvalue(tokens[:, 0], exact[0]) < 1e-6

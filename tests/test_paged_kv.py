@@ -11,11 +11,20 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers.engine import (  # noqa: F401
+    BLOCK,
+    NO_DRAFTER,
+    generate,
+    make_engine,
+    mtp,
+    one_thread,
+    outputs,
+    random_accept,
+    random_prompts,
+    spec_model,
+    uncached_greedy,
+)
 from inkfw.cache.paged import BlockPool, PagedKVManager
-from inkfw.speculative.drafters import MtpDrafter, NoDrafter
-
-from helpers.engine import (BLOCK, RandomAcceptVerifier, generate, make_engine, one_thread,  # noqa: F401
-                          outputs, random_prompts, spec_model, uncached_greedy)
 
 VOCAB = 120
 
@@ -216,9 +225,8 @@ def test_window_blocks_freed_during_generation(no_eos_model):
     its P - 1 extra positions) and every block comes back at the end."""
     model = no_eos_model
     k, D = 4, 4
-    drafter = MtpDrafter(model, num_tokens=k, num_depths=D)
-    P = drafter.lookahead
-    eng, kv = make_engine(model, drafter, verifier=RandomAcceptVerifier(seed=4))
+    eng, kv = make_engine(model, mtp(D, k), verifier=random_accept(seed=4))
+    P = eng.drafter.lookahead
     r = eng.add_request([3, 1, 4, 1, 5, 9, 2, 6, 5, 3], max_new_tokens=100)
     assert r.sampling.greedy
     windowed = [i for i, g in enumerate(kv.groups) if g.window is not None]
@@ -248,8 +256,8 @@ def test_prefix_cache_hit_reuses_blocks(model, monkeypatch):
     is final."""
     rng = random.Random(3)
     prompt = random_prompts(rng, 1, VOCAB, lo=37, hi=37)[0]
-    drafter = MtpDrafter(model, num_tokens=3, num_depths=3)
-    eng, kv = make_engine(model, drafter)
+    eng, kv = make_engine(model, mtp(3, 3))
+    drafter = eng.drafter
     hits = []
     add = kv.add
 
@@ -273,16 +281,15 @@ def test_prefix_cache_hit_reuses_blocks(model, monkeypatch):
     assert second.output_token_ids == first.output_token_ids == uncached_greedy(model, prompt, 10)
 
 
-@pytest.mark.parametrize("mtp", [False, True])
-def test_prefix_hash_covers_lookahead(model, mtp):
+@pytest.mark.parametrize("with_mtp", [False, True])
+def test_prefix_hash_covers_lookahead(model, with_mtp):
     """Prompts that agree on 13 tokens: without a drafter 3 blocks are shared; with P = 3 block 2
     (positions 8..11) also depends on tokens 12..14, so only 2 are. check_drafts proves the
     shared depth states are right."""
     rng = random.Random(4)
     a = random_prompts(rng, 1, VOCAB, lo=20, hi=20)[0]
     b = a[:13] + [(t + 1) % VOCAB for t in a[13:]]
-    drafter = MtpDrafter(model, num_tokens=3, num_depths=3) if mtp else NoDrafter()
-    eng, kv = make_engine(model, drafter)
+    eng, kv = make_engine(model, mtp(3, 3) if with_mtp else NO_DRAFTER)
     hits = []
     add = kv.add
     kv.add = lambda rid, tokens: hits.append(add(rid, tokens)) or hits[-1]
@@ -290,8 +297,8 @@ def test_prefix_hash_covers_lookahead(model, mtp):
     eng.generate([ra])
     rb = eng.add_request(b, max_new_tokens=8)
     eng.generate([rb])
-    assert hits == [0, 8 if mtp else 12]
-    ref, _, _ = generate(model, NoDrafter(), [a, b], 8, prefix_caching=False)
+    assert hits == [0, 8 if with_mtp else 12]
+    ref, _, _ = generate(model, NO_DRAFTER, [a, b], 8, prefix_caching=False)
     assert [ra.output_token_ids, rb.output_token_ids] == outputs(ref)
     assert kv.is_whole()
 

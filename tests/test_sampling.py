@@ -174,3 +174,27 @@ def test_sampler_probs_and_sample_delegate():
     a = sampler.sample(sampler.probs(logits, PLAIN), torch.Generator().manual_seed(3))
     b = sample(processed_probs(logits, PLAIN), torch.Generator().manual_seed(3))
     assert torch.equal(a, b)
+
+
+def test_acceptance_draws_per_row_generators():
+    """Row b draws its num_drafts[b] uniforms, then V exponentials, from its own generator only
+    (the rest of its uniform row is 1.0), so a seeded request's verify steps do not depend on
+    the batch; the noise is never 0."""
+    seeds, counts, k, V = [5, 6, 7], [2, 0, 3], 3, 4
+    uniforms, noise = Sampler().acceptance_draws([torch.Generator().manual_seed(s) for s in seeds],
+                                                 torch.tensor(counts), k, V, "cpu")
+    assert uniforms.shape == (3, k) and uniforms.dtype == torch.float64 and noise.shape == (3, V)
+    for b, (seed, n) in enumerate(zip(seeds, counts)):
+        g = torch.Generator().manual_seed(seed)
+        assert torch.equal(uniforms[b, :n], torch.rand(n, generator=g, dtype=torch.float64))
+        assert (uniforms[b, n:] == 1.0).all()
+        assert torch.equal(noise[b], torch.empty(1, V).exponential_(generator=g)[0].clamp_min(torch.finfo().tiny))
+    assert (noise > 0).all()
+
+
+def test_acceptance_draws_shared_generator_draws_whole_blocks():
+    """One generator for the batch: the whole [B, k] uniform block first, then the [B, V] noise."""
+    uniforms, noise = Sampler().acceptance_draws(torch.Generator().manual_seed(9), torch.tensor([1, 2]), 2, 5, "cpu")
+    g = torch.Generator().manual_seed(9)
+    assert torch.equal(uniforms, torch.rand(2, 2, generator=g, dtype=torch.float64))
+    assert torch.equal(noise, torch.empty(2, 5).exponential_(generator=g).clamp_min(torch.finfo().tiny))

@@ -7,12 +7,8 @@ from pathlib import Path
 
 import torch
 
-from inkfw.cache.paged import PagedKVManager
-from inkfw.checkpoint import load_model, open_checkpoint
-from inkfw.speculative.build import load_tokenizer
-from inkfw.speculative.drafters import MtpDrafter, NoDrafter
-from inkfw.speculative.engine import Engine, EngineConfig
-from inkfw.speculative.verifier import TargetVerifier
+from inkfw.models.inkling.checkpoint import load_model, open_checkpoint
+from inkfw.speculative.factory import build_engine, load_tokenizer, serving_config
 
 ROOT = Path(__file__).resolve().parent.parent
 CKPT = ROOT / "checkpoints" / "inkling-tiny"
@@ -33,10 +29,10 @@ def test_trained_depths_are_accepted_and_output_is_exact():
     tok = load_tokenizer({"path": str(CKPT)})
     prompts = [tok.encode(json.loads(line)["prompt"]).ids for line in PROMPTS.read_text().splitlines()[3:6]]
     outs = {}
-    for name, drafter in (("mtp", MtpDrafter(model)), ("none", NoDrafter())):
-        kv = PagedKVManager(model, num_draft_depths=drafter.num_depths, lookahead=drafter.lookahead,
-                            num_draft_tokens=drafter.num_tokens, max_num_seqs=4, max_model_len=256)
-        engine = Engine(model, drafter, TargetVerifier(), kv, config=EngineConfig(check_drafts=name == "mtp"))
+    for name in ("mtp", "none"):
+        cfg = serving_config([f"model.path={CKPT}", f"drafter={name}", "engine.max_num_seqs=4",
+                              "engine.max_model_len=256", f"engine.check_drafts={str(name == 'mtp').lower()}"])
+        engine, _ = build_engine(cfg, model=model, tokenizer=tok)
         requests = [engine.add_request(p, max_new_tokens=24) for p in prompts]
         engine.generate(requests)
         outs[name] = [r.output_token_ids for r in requests]

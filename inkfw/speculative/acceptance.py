@@ -8,6 +8,8 @@ are never accepted. A row with 0 drafts is plain decoding from the target's posi
 Both rules return ``(num_accepted [B], next_token [B])``: the row emits its first
 ``num_accepted`` drafts and then ``next_token`` (the bonus token, or the replacement for the
 first rejected draft), i.e. ``num_accepted + 1`` tokens; :func:`emitted_tokens` lays them out.
+Both are pure functions: rejection sampling takes its random numbers as arguments (the
+sampler draws them from each request's generator), so one set of inputs has one answer.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from inkfw.speculative.sampling import Generators, exponential_draws, sample_with_noise, uniform_draws
+from inkfw.speculative.sampling import sample_with_noise
 
 
 def _draft_mask(num_drafts: torch.Tensor | None, batch: int, k: int, device: torch.device) -> torch.Tensor:
@@ -71,21 +73,24 @@ def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
-                     num_drafts: torch.Tensor | None = None,
-                     generators: Generators = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lossless speculative sampling (Leviathan et al. / Chen et al.).
+                     uniforms: torch.Tensor, noise: torch.Tensor,
+                     num_drafts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lossless speculative sampling (Leviathan et al. / Chen et al.; docs/design.md §3).
 
     ``draft_tokens`` [B, k]; ``draft_probs`` q [B, k, V], the distributions the drafts were
     sampled from (None: greedy drafts, q one-hot at each draft); ``target_probs`` p
-    [B, k+1, V], already processed (:func:`~inkfw.speculative.sampling.processed_probs`);
-    ``num_drafts`` [B] (None: all k).
+    [B, k+1, V], already processed (:meth:`~inkfw.speculative.sampling.Sampler.probs`);
+    ``uniforms`` [B, k] in [0, 1) and ``noise`` [B, V] Exp(1), the step's random numbers
+    (:meth:`~inkfw.speculative.sampling.Sampler.acceptance_draws`); ``num_drafts`` [B]
+    (None: all k). A pure function: the same inputs give the same outputs.
 
-    Draft i is accepted with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection
-    the next token is sampled from normalise(max(p_i - q_i, 0)) (p_i if that is all zero);
-    if all of a row's drafts pass, the bonus is sampled from p at position ``num_drafts``.
-    The emitted tokens are then distributed exactly as sampling from p token by token.
+    Draft i is accepted iff u_i < p_i(d_i) / q_i(d_i), i.e. with probability
+    min(1, p_i(d_i) / q_i(d_i)); at the first rejection the next token is sampled from
+    normalise(max(p_i - q_i, 0)) (p_i if that is all zero); if all of a row's drafts pass, the
+    bonus is sampled from p at position ``num_drafts``. Sampling is the exponential race
+    ``argmax(dist / noise)``. The emitted tokens are then distributed exactly as sampling from
+    p token by token.
 
-    Row b consumes ``num_drafts[b]`` uniforms and then V exponentials from its generator.
     Returns ``(num_accepted [B], next_token [B])``, both long.
     """
     B, k = _check_shapes(draft_tokens, target_probs)
@@ -93,6 +98,10 @@ def rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | Non
     device = target_probs.device
     if draft_probs is not None and draft_probs.shape != (B, k, V):
         raise ValueError(f"draft_probs must be [B={B}, k={k}, V={V}], got {list(draft_probs.shape)}")
+    if uniforms.shape != (B, k):
+        raise ValueError(f"uniforms must be [B={B}, k={k}], got {list(uniforms.shape)}")
+    if noise.shape != (B, V):
+        raise ValueError(f"noise must be [B={B}, V={V}], got {list(noise.shape)}")
     valid = _draft_mask(num_drafts, B, k, device)  # [B, k]
     counts = valid.sum(dim=-1)  # [B] drafts per row
     drafts = torch.where(valid, draft_tokens.to(device), 0)  # [B, k] padding -> a safe index
@@ -102,8 +111,7 @@ def rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | Non
         q_d = torch.ones_like(p_d)  # [B, k]
     else:
         q_d = draft_probs.gather(-1, drafts[..., None]).squeeze(-1).double()  # [B, k] q_i(d_i)
-    u = uniform_draws(generators, counts, k, device)  # [B, k]
-    accept = (u * q_d < p_d) & valid  # [B, k]  u < p/q, without dividing by q
+    accept = (uniforms.to(device) * q_d < p_d) & valid  # [B, k]  u < p/q, without dividing by q
     num_accepted = _accepted_prefix(accept)  # [B]
 
     rows = torch.arange(B, device=device)
@@ -117,7 +125,7 @@ def rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | Non
         else:
             q_next = draft_probs[rows, at].float()  # [B, V]
         dist = torch.where(rejected, _residual(p_next, q_next), p_next)  # [B, V]
-    next_token = sample_with_noise(dist, exponential_draws(generators, B, V, device))  # [B]
+    next_token = sample_with_noise(dist, noise.to(device))  # [B]
     return num_accepted, next_token
 
 

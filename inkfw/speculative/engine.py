@@ -9,23 +9,40 @@ committed tokens (prompt + output) is either
 
 After either, the drafter gets the positions whose target state just became final and
 proposes the next drafts. A fresh prompt and a preempted request (recomputed from its
-committed tokens) take the same path, so preemption never changes greedy output.
+committed tokens) take the same path, so preemption never changes greedy output
+(docs/design.md §5).
+
+Build engines with :func:`~inkfw.speculative.factory.build_engine`; watch them with
+:class:`~inkfw.speculative.observers.EngineObserver` hooks (:meth:`Engine.add_observer`).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 
 from inkfw.errors import ConfigError
-from inkfw.speculative.interfaces import DraftSpan, Drafter, Drafts, KVManager, Verifier
+from inkfw.speculative.interfaces import (
+    Drafter,
+    Drafts,
+    DraftSpan,
+    FinishReason,
+    KVManager,
+    RequestStatus,
+    TargetModel,
+    TokenSampler,
+    Verifier,
+)
 from inkfw.speculative.metrics import SpecMetrics
+from inkfw.speculative.observers import EngineObserver, ForwardClock
 from inkfw.speculative.reference import reference_draft_logits
 from inkfw.speculative.sampling import Sampler, SamplingParams
 
@@ -34,9 +51,14 @@ class DraftCheckError(RuntimeError):
     """``engine.check_drafts``: a draft differs from the uncached reference."""
 
 
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 @dataclass
 class EngineConfig:
-    """Scheduling limits of the engine."""
+    """Scheduling limits and checks of the engine: the ``conf/engine`` node, every field settable
+    as ``engine.<field>=...``."""
 
     max_num_seqs: int = 16  # requests decoded together
     max_num_batched_tokens: int = 512  # target tokens per step (prefill chunks + verify tokens)
@@ -45,10 +67,20 @@ class EngineConfig:
     check_drafts_atol: float = 1e-3  # logits tolerance of that check
 
     def validate(self) -> None:
+        """Raise :class:`ConfigError` (one sentence) naming the first field out of range."""
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            if not _is_int(v) or v < 1:
                 raise ConfigError(f"engine.{name} must be an integer >= 1, got {v!r}.")
+        m = self.max_model_len
+        if m is not None and (not _is_int(m) or m < 2):
+            raise ConfigError(f"engine.max_model_len must be null or an integer >= 2 (null: the model's "
+                              f"max_position_embeddings), got {m!r}.")
+        if not isinstance(self.check_drafts, bool):
+            raise ConfigError(f"engine.check_drafts must be true or false, got {self.check_drafts!r}.")
+        atol = self.check_drafts_atol
+        if not (isinstance(atol, (int, float)) and not isinstance(atol, bool) and math.isfinite(atol) and atol >= 0):
+            raise ConfigError(f"engine.check_drafts_atol must be a finite number >= 0, got {atol!r}.")
 
 
 @dataclass(eq=False)  # identity: the scheduler tests membership of running lists (O(1) per compare)
@@ -64,8 +96,8 @@ class Request:
     generator: torch.Generator | None = None
     num_computed: int = 0  # leading positions with final target state
     pending: Drafts | None = None  # drafts for the next verify step (one row)
-    status: str = "waiting"  # waiting | running | finished
-    finish_reason: str | None = None  # stop | length | error
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
     error: str | None = None
     text: str = ""
     num_verify_steps: int = 0
@@ -82,7 +114,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.status == "finished"
+        return self.status is RequestStatus.FINISHED
 
 
 @dataclass
@@ -98,27 +130,12 @@ class StepTimes:
         return self.draft_s + self.verify_s + self.bookkeeping_s
 
 
-class ForwardClock:
-    """Times the model calls it runs (synchronising CUDA so the times are real)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.seconds = 0.0
-
-    def __call__(self, fn: Callable, *args):
-        if self.cuda:
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        out = fn(*args)
-        if self.cuda:
-            torch.cuda.synchronize()
-        self.seconds += time.perf_counter() - t
-        return out
-
-
 class Engine:
-    def __init__(self, model, drafter: Drafter, verifier: Verifier, kv: KVManager, sampler: Sampler | None = None,
-                 config: EngineConfig | None = None, tokenizer=None):
+    """Continuous batching over the four seams (see the module docstring). ``sampler`` is the one
+    the verifier and drafter were built with; the engine uses it for per-request generators."""
+
+    def __init__(self, model: TargetModel, drafter: Drafter, verifier: Verifier, kv: KVManager,
+                 sampler: TokenSampler | None = None, config: EngineConfig | None = None, tokenizer=None):
         self.model, self.drafter, self.verifier, self.kv = model, drafter, verifier, kv
         self.sampler = sampler or Sampler()
         self.config = config or EngineConfig()
@@ -133,15 +150,22 @@ class Engine:
         self.running: list[Request] = []
         self.metrics = SpecMetrics()
         self.times = StepTimes()
-        self.clock = ForwardClock(self.device)
-        for component in (drafter, verifier):
-            if hasattr(component, "clock"):
-                component.clock = self.clock
-        if self.config.check_drafts and hasattr(drafter, "keep_logits"):
-            drafter.keep_logits = True
+        self.observers: list[EngineObserver] = []
+        self.clock = ForwardClock(self.device, self.observers)  # every model call goes through it
+        self._run_target = self.clock.runner("target")
+        self._run_draft = self.clock.runner("draft")
         self._ids = itertools.count()
         self._failed: list[Request] = []
         self._preempted_this_step = False
+
+    # ------------------------------------------------------------------ observers
+    def add_observer(self, observer: EngineObserver) -> None:
+        """Call ``observer``'s hooks from now on (see :mod:`inkfw.speculative.observers`)."""
+        if observer not in self.observers:
+            self.observers.append(observer)
+
+    def remove_observer(self, observer: EngineObserver) -> None:
+        self.observers.remove(observer)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_token_ids: Sequence[int], sampling: SamplingParams | None = None,
@@ -163,6 +187,18 @@ class Engine:
                       arrival_time=time.perf_counter())
         self.waiting.append(req)
         return req
+
+    def abort(self, request: Request) -> None:
+        """Cancel ``request``: it finishes with reason ``abort`` and its KV blocks and drafter
+        state are freed now, so the next step neither schedules it nor holds its blocks. Call
+        it between steps, from the thread that steps; a finished request is left as it is."""
+        if request.finished:
+            return
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self._release(request)
+        request.pending = None
+        self._finish(request, FinishReason.ABORT)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -196,7 +232,7 @@ class Engine:
                 spans.append(DraftSpan(r, c0, hidden, None, self._num_drafts(r) if final else 0))
         if decodes:
             drafts = self._batch_drafts(decodes)
-            verdict = self.verifier.verify(self.model, self.kv, decodes, drafts)
+            verdict = self.verifier.verify(self.kv, decodes, drafts, self._run_target)
             accepted, next_tokens = verdict.num_accepted.tolist(), verdict.next_tokens.tolist()
             self.metrics.record(drafts.num_drafts, verdict.num_accepted)
             for b, r in enumerate(decodes):
@@ -216,9 +252,9 @@ class Engine:
         # draft
         spans = [s for s in spans if self.drafter.needs_hidden or s.num_drafts > 0]
         if spans:
-            proposed = self.drafter.propose(spans, self.kv)
+            proposed = self.drafter.propose(spans, self.kv, self._run_draft, keep_logits=self.config.check_drafts)
             for b, s in enumerate(spans):
-                s.request.pending = _row(proposed, b, self.device)
+                cast(Request, s.request).pending = _row(proposed, b, self.device)
             if self.config.check_drafts:
                 self._check_drafts(spans, proposed)
         t2 = time.perf_counter()
@@ -238,6 +274,8 @@ class Engine:
         self.times.bookkeeping_s += t3 - t2
         self.times.forward_s += self.clock.seconds - fwd0
         self.times.num_steps += 1
+        for obs in self.observers:
+            obs.on_step_end(self, finished)
         return finished
 
     # ---------------------------------------------------------------- schedule
@@ -310,7 +348,7 @@ class Engine:
                     continue
                 break
             self.waiting.popleft()
-            r.status = "running"
+            r.status = RequestStatus.RUNNING
             self.running.append(r)
             budget -= take(r, chunk_end)
         return prefills, decodes
@@ -336,7 +374,7 @@ class Engine:
         self.kv.free(r.id)
         self.drafter.release(r.id)
         self._preempted_this_step = True
-        r.num_computed, r.pending, r.status = 0, None, "waiting"
+        r.num_computed, r.pending, r.status = 0, None, RequestStatus.WAITING
         r.num_preemptions += 1
         self.waiting.appendleft(r)
 
@@ -354,7 +392,7 @@ class Engine:
             valid[b, : c1 - c0] = True
         ids, positions, valid = ids.to(self.device), positions.to(self.device), valid.to(self.device)
         caches = self.kv.target_caches([r.id for r, _, _ in chunks], positions, valid)
-        hidden = self.clock(self.model, ids, positions, caches)  # [B, T, H]
+        hidden = self._run_target(self.model, ids, positions, caches)  # [B, T, H]
         return [hidden[b, : c1 - c0] for b, (_, c0, c1) in enumerate(chunks)]
 
     def _batch_drafts(self, decodes: list[Request]) -> Drafts:
@@ -379,17 +417,17 @@ class Engine:
             if r.first_token_time is None:
                 r.first_token_time = time.perf_counter()
             if int(t) in self.eos_ids:
-                return self._finish(r, "stop")
+                return self._finish(r, FinishReason.STOP)
             if r.stop and self.tokenizer is not None:
                 text = self.tokenizer.decode(r.output_token_ids)
                 hit = [text.find(s) for s in r.stop if s in text]
                 if hit:
-                    return self._finish(r, "stop", text[: min(hit)])
+                    return self._finish(r, FinishReason.STOP, text[: min(hit)])
             if len(r.output_token_ids) >= r.max_new_tokens or len(r.token_ids) >= self.max_model_len:
-                return self._finish(r, "length")
+                return self._finish(r, FinishReason.LENGTH)
 
-    def _finish(self, r: Request, reason: str, text: str | None = None) -> None:
-        r.status, r.finish_reason, r.finish_time = "finished", reason, time.perf_counter()
+    def _finish(self, r: Request, reason: FinishReason, text: str | None = None) -> None:
+        r.status, r.finish_reason, r.finish_time = RequestStatus.FINISHED, reason, time.perf_counter()
         if text is not None:
             r.text = text
         elif self.tokenizer is not None:
@@ -398,7 +436,7 @@ class Engine:
     def _fail(self, r: Request, message: str) -> None:
         self._failed.append(r)
         r.error = message
-        r.status, r.finish_reason, r.finish_time = "finished", "error", time.perf_counter()
+        r.status, r.finish_reason, r.finish_time = RequestStatus.FINISHED, FinishReason.ERROR, time.perf_counter()
 
     def _release(self, r: Request) -> None:
         if r in self.running:
@@ -410,7 +448,7 @@ class Engine:
     def _check_drafts(self, spans: Sequence[DraftSpan], proposed: Drafts) -> None:
         """Every draft against :func:`reference_draft_logits` (fresh, uncached, per request)."""
         atol = self.config.check_drafts_atol
-        D = getattr(self.drafter, "num_depths", 0)
+        D = self.drafter.num_depths
         for b, span in enumerate(spans):
             n = int(proposed.num_drafts[b])
             if n == 0 or proposed.logits is None:

@@ -1,31 +1,98 @@
-"""The four seams of the speculative engine, as small protocols.
+"""The seams of the speculative engine, as small protocols.
 
-The engine only talks to these; Hydra groups (``conf/drafter``, ``conf/sampler``, ``conf/kv``)
-pick the implementations. Positions follow the design (§3): a request with ``L`` committed
-tokens has final target state for positions ``< L - 1``; a verify step runs the target over
-``[x[L-1], d_1 .. d_k]`` at positions ``L-1 .. L-1+k``.
+The engine only talks to these; Hydra groups (``conf/drafter``, ``conf/verifier``,
+``conf/sampler``, ``conf/kv``) pick the implementations and
+:func:`~inkfw.speculative.factory.build_engine` builds them. Positions follow
+docs/design.md §3: a request with ``L`` committed tokens has final target state for positions
+``< L - 1``; a verify step runs the target over ``[x[L-1], d_1 .. d_k]`` at positions
+``L-1 .. L-1+k``.
+
+What the engine lends a component for one call is an argument of that call, never an
+attribute it sets: the ``run`` of :meth:`Drafter.propose` and :meth:`Verifier.verify` is the
+engine's timed runner for model calls (``run(fn, *args)`` returns ``fn(*args)``), and
+``keep_logits`` asks the drafter for its raw logits (``engine.check_drafts``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from enum import Enum
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
 from inkfw.cache.interface import LayerCache
+from inkfw.models.inkling.config import InklingConfig
 from inkfw.speculative.sampling import Generators, SamplingParams
+
+T = TypeVar("T")
+
+
+class _StrEnum(str, Enum):
+    """A str-valued enum that prints and formats as its value (JSON writes the value too)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class RequestStatus(_StrEnum):
+    WAITING = "waiting"  # queued, or preempted and to be recomputed
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(_StrEnum):
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_new_tokens or the model limit
+    ERROR = "error"  # refused while running (e.g. larger than the KV pool)
+    ABORT = "abort"  # cancelled by the caller (Engine.abort), e.g. a client that disconnected
+
+
+class TargetModel(Protocol):
+    """What the engine, the verifier and the drafters use of a model (an ``InklingLM``)."""
+
+    cfg: InklingConfig  # max_position_embeddings, eos_token_ids, vocab_size, mtp sizes
+
+    @property
+    def num_mtp_depths(self) -> int: ...
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                 caches: Sequence[LayerCache] | None = None) -> torch.Tensor: ...  # [B, T] -> hidden [B, T, H]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [..., H] -> [..., V]
+
+    def mtp_step(self, depth: int, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
+                 cache: LayerCache | None = None) -> torch.Tensor: ...  # g_d [B, T, H] -> g_{d+1} [B, T, H]
+
+    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]: ...
+
+
+class ForwardRunner(Protocol):
+    """``run(fn, *args)`` -> ``fn(*args)``; the engine's runner also times the call and tells its
+    observers (:class:`~inkfw.speculative.observers.ForwardClock`)."""
+
+    def __call__(self, fn: Callable[..., T], *args: Any) -> T: ...
 
 
 @runtime_checkable
 class RequestLike(Protocol):
-    """What a drafter may read about a request."""
+    """What a drafter or verifier may read about a request (read-only)."""
 
-    id: Hashable
-    token_ids: list[int]  # committed: prompt + accepted output
-    sampling: SamplingParams
-    generator: torch.Generator | None
+    @property
+    def id(self) -> Hashable: ...
+
+    @property
+    def token_ids(self) -> list[int]: ...  # committed: prompt + accepted output
+
+    @property
+    def sampling(self) -> SamplingParams: ...
+
+    @property
+    def generator(self) -> torch.Generator | None: ...
 
 
 @dataclass
@@ -51,7 +118,7 @@ class Drafts:
     """Drafts for a batch of spans: ``tokens`` [B, k] (entries past ``num_drafts[b]`` are
     padding), ``probs`` [B, k, V]: the distributions they were sampled from (None: each draft
     was chosen deterministically, i.e. q is one-hot), ``logits`` [B, k, V]: the raw draft
-    logits, kept only when asked for (``check_drafts``)."""
+    logits, only when asked for (``keep_logits``)."""
 
     tokens: torch.Tensor
     num_drafts: torch.Tensor
@@ -80,15 +147,38 @@ class KVManager(Protocol):
     def is_whole(self) -> bool: ...
 
 
+class TokenSampler(Protocol):
+    """Greedy / temperature / top-k / top-p with per-request seeded generators: every processed
+    distribution and every random number of the verifier and the drafters comes from here."""
+
+    def generator(self, params: SamplingParams) -> torch.Generator: ...
+
+    def probs(self, logits: torch.Tensor, params: SamplingParams | Sequence[SamplingParams]) -> torch.Tensor: ...
+
+    def sample(self, probs: torch.Tensor, generators: Generators = None) -> torch.Tensor: ...
+
+    def acceptance_draws(self, generators: Generators, num_drafts: torch.Tensor, width: int, vocab: int,
+                         device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def __call__(self, logits: torch.Tensor, params: SamplingParams | Sequence[SamplingParams],
+                 generators: Generators = None) -> torch.Tensor: ...
+
+
 class Drafter(Protocol):
-    """Proposes up to ``num_tokens`` drafts per request and verify step."""
+    """Proposes up to ``num_tokens`` drafts per request and verify step.
+
+    Built by the factory from ``conf/drafter`` with the run-time arguments it names of
+    ``model``, ``num_tokens``, ``num_depths`` and ``sampler``.
+    """
 
     num_tokens: int  # k
     lookahead: int  # tokens after a position its cached state depends on (P for MTP, else 0)
     num_depths: int  # draft cache groups it needs (MTP depths; 0 without a cache)
     needs_hidden: bool  # whether spans must carry target hidden states
 
-    def propose(self, spans: Sequence[DraftSpan], kv: KVManager) -> Drafts: ...
+    def propose(self, spans: Sequence[DraftSpan], kv: KVManager, run: ForwardRunner,
+                keep_logits: bool = False) -> Drafts: ...
+
     def release(self, rid: Hashable) -> None: ...
 
 
@@ -103,16 +193,11 @@ class Verdict:
 
 
 class Verifier(Protocol):
-    """Runs the target over ``[last token, drafts]`` and decides acceptance."""
+    """Runs the target over ``[last token, drafts]`` and decides acceptance.
 
-    def verify(self, model, kv: KVManager, requests: Sequence[RequestLike], drafts: Drafts) -> Verdict: ...
+    Built by the factory from ``conf/verifier`` with the run-time arguments it names of
+    ``model`` and ``sampler``.
+    """
 
-
-class TokenSampler(Protocol):
-    """Greedy / temperature / top-k / top-p with per-request seeded generators."""
-
-    def generator(self, params: SamplingParams) -> torch.Generator: ...
-    def probs(self, logits: torch.Tensor, params: SamplingParams | Sequence[SamplingParams]) -> torch.Tensor: ...
-    def sample(self, probs: torch.Tensor, generators: Generators = None) -> torch.Tensor: ...
-    def __call__(self, logits: torch.Tensor, params: SamplingParams | Sequence[SamplingParams],
-                 generators: Generators = None) -> torch.Tensor: ...
+    def verify(self, kv: KVManager, requests: Sequence[RequestLike], drafts: Drafts,
+               run: ForwardRunner) -> Verdict: ...

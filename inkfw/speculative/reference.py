@@ -8,11 +8,12 @@ from __future__ import annotations
 import torch
 
 from inkfw.cache.dense import DenseModelCache
-from inkfw.models.inkling.model import InklingLM, default_positions
+from inkfw.models.inkling.model import default_positions
+from inkfw.speculative.interfaces import TargetModel
 
 
 @torch.no_grad()
-def greedy_reference_drafts(model: InklingLM, ids: torch.Tensor, num_steps: int | None = None,
+def greedy_reference_drafts(model: TargetModel, ids: torch.Tensor, num_steps: int | None = None,
                             hidden: torch.Tensor | None = None) -> torch.Tensor:
     """Greedy drafts after the committed sequence ``ids`` [B, N].
 
@@ -37,7 +38,7 @@ def greedy_reference_drafts(model: InklingLM, ids: torch.Tensor, num_steps: int 
 
 
 @torch.no_grad()
-def reference_draft_logits(model: InklingLM, committed: torch.Tensor, drafts: torch.Tensor,
+def reference_draft_logits(model: TargetModel, committed: torch.Tensor, drafts: torch.Tensor,
                            num_prefill_steps: int, num_depths: int) -> torch.Tensor:
     """Draft logits the engine must reproduce, recomputed from scratch for one request.
 

@@ -7,7 +7,9 @@ Two steps, kept apart because speculative verification needs the middle product:
    sampling compares exactly these probabilities, so target and draft must use it alike.
 2. :func:`sample` draws one token per row from such probabilities.
 
-Randomness comes from ``generators``, which is one of
+Every random number the engine uses comes from here: the verifier asks
+:meth:`Sampler.acceptance_draws` for the draws of rejection sampling, and the drafters sample
+through :meth:`Sampler.sample`. Randomness comes from ``generators``, which is one of
 
 * ``None``: torch's default generator for the device, drawn for the whole batch at once;
 * one ``torch.Generator``: shared by the whole batch, drawn at once (tests, unseeded batches);
@@ -220,6 +222,17 @@ class Sampler:
         """See :func:`sample`."""
         return sample(probs, generators)
 
+    @staticmethod
+    def acceptance_draws(generators: Generators, num_drafts: torch.Tensor | Sequence[int], width: int, vocab: int,
+                         device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The random numbers of one rejection-sampling step (docs/design.md §3), in the order
+        they are drawn: ``uniforms`` [B, width] float64 (row b uses its first ``num_drafts[b]``,
+        the only ones drawn from a per-row generator), then ``noise`` [B, vocab] float32 Exp(1)
+        for the next token. See :func:`uniform_draws` and :func:`exponential_draws`."""
+        uniforms = uniform_draws(generators, num_drafts, width, device)  # [B, width]
+        noise = exponential_draws(generators, len(num_drafts), vocab, device)  # [B, V]
+        return uniforms, noise
+
     def __call__(self, logits: torch.Tensor, params: SamplingParams | Sequence[SamplingParams],
                  generators: Generators = None) -> torch.Tensor:
         """Next token [N] (long) for ``logits`` [N, V]."""
@@ -231,5 +244,5 @@ class Sampler:
         if generators is not None and not isinstance(generators, torch.Generator):
             generators = [_row_generators(generators, len(rows))[i] for i in sampled]
         idx = torch.tensor(sampled, device=logits.device)
-        probs = processed_probs(logits[idx], [rows[i] for i in sampled])  # [n, V]
-        return tokens.index_copy(0, idx, sample(probs, generators))
+        probs = self.probs(logits[idx], [rows[i] for i in sampled])  # [n, V]
+        return tokens.index_copy(0, idx, self.sample(probs, generators))

@@ -1,8 +1,10 @@
-"""The target verifier: one forward over ``[x[L-1], d_1 .. d_k]`` per request, then acceptance.
+"""The target verifier: one forward over ``[x[L-1], d_1 .. d_k]`` per request, then acceptance
+(docs/design.md §3).
 
-Greedy batches use :func:`~inkfw.speculative.acceptance.greedy_accept`; as soon as one request samples,
-the whole batch goes through lossless rejection sampling on processed probabilities (greedy
-rows get one-hot targets, so they still accept exactly the argmax prefix).
+Greedy batches use :func:`~inkfw.speculative.acceptance.greedy_accept`; as soon as one request
+samples, the whole batch goes through lossless rejection sampling on the sampler's processed
+probabilities, with the sampler's draws from each request's generator (greedy rows get one-hot
+targets, so they still accept exactly the argmax prefix).
 """
 
 from __future__ import annotations
@@ -11,20 +13,30 @@ from collections.abc import Sequence
 
 import torch
 
-from inkfw.speculative.interfaces import Drafts, KVManager, RequestLike, Verdict
-from inkfw.speculative.sampling import processed_probs
 from inkfw.speculative.acceptance import greedy_accept, rejection_sample
+from inkfw.speculative.interfaces import (
+    Drafts,
+    ForwardRunner,
+    KVManager,
+    RequestLike,
+    TargetModel,
+    TokenSampler,
+    Verdict,
+)
+from inkfw.speculative.observers import run_directly
+from inkfw.speculative.sampling import Sampler
 
 
 class TargetVerifier:
-    def __init__(self, clock=None):
-        self.clock = clock
+    """``conf/verifier/target.yaml``: the target model decides, losslessly."""
 
-    def _run(self, fn, *args):
-        return self.clock(fn, *args) if self.clock is not None else fn(*args)
+    def __init__(self, model: TargetModel, sampler: TokenSampler | None = None):
+        self.model = model
+        self.sampler = sampler or Sampler()
 
     @torch.no_grad()
-    def verify(self, model, kv: KVManager, requests: Sequence[RequestLike], drafts: Drafts) -> Verdict:
+    def verify(self, kv: KVManager, requests: Sequence[RequestLike], drafts: Drafts,
+               run: ForwardRunner = run_directly) -> Verdict:
         device = drafts.tokens.device
         B, k = drafts.tokens.shape
         last = torch.tensor([r.token_ids[-1] for r in requests], device=device)
@@ -34,14 +46,19 @@ class TargetVerifier:
         positions = start[:, None] + slots  # [B, 1+k]
         valid = slots[None, :] <= drafts.num_drafts[:, None]  # [B, 1+k]
         caches = kv.target_caches([r.id for r in requests], positions, valid)
-        hidden = self._run(model, ids, positions, caches)  # [B, 1+k, H]
-        logits = self._run(model.logits, hidden)  # [B, 1+k, V]
+        hidden = run(self.model, ids, positions, caches)  # [B, 1+k, H]
+        logits = run(self.model.logits, hidden)  # [B, 1+k, V]
+        num_accepted, next_tokens = self.accept(logits, requests, drafts)
+        return Verdict(num_accepted, next_tokens, hidden)
 
+    def accept(self, logits: torch.Tensor, requests: Sequence[RequestLike],
+               drafts: Drafts) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(num_accepted [B], next_tokens [B])`` from the target's ``logits`` [B, 1+k, V]."""
         params = [r.sampling for r in requests]
         if all(p.greedy for p in params):
-            num_accepted, next_tokens = greedy_accept(drafts.tokens, logits, drafts.num_drafts)
-        else:
-            p = processed_probs(logits, params)  # [B, 1+k, V]
-            num_accepted, next_tokens = rejection_sample(drafts.tokens, drafts.probs, p, drafts.num_drafts,
-                                                         [r.generator for r in requests])
-        return Verdict(num_accepted, next_tokens, hidden)
+            return greedy_accept(drafts.tokens, logits, drafts.num_drafts)
+        B, k = drafts.tokens.shape
+        p = self.sampler.probs(logits, params)  # [B, 1+k, V]
+        uniforms, noise = self.sampler.acceptance_draws([r.generator for r in requests], drafts.num_drafts, k,
+                                                        p.shape[-1], p.device)  # [B, k], [B, V]
+        return rejection_sample(drafts.tokens, drafts.probs, p, uniforms, noise, drafts.num_drafts)

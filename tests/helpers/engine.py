@@ -1,5 +1,6 @@
-"""Shared pieces of the engine tests: a tiny 4-depth Inkling, an engine runner, and a
-verifier test double that accepts a random number of drafts."""
+"""Shared pieces of the engine tests: a tiny 4-depth Inkling, an engine runner that builds every
+engine through the serving factory, and test doubles selected through the config (a verifier
+that accepts a random number of drafts, one that accepts every draft, an oracle drafter)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from helpers.models import randomize_, tiny_config
 from inkfw.cache.paged import PagedKVManager
 from inkfw.models.inkling.config import MtpConfig
 from inkfw.models.inkling.model import InklingLM
-from inkfw.speculative.engine import Engine, EngineConfig, Request
+from inkfw.speculative.engine import Engine, Request
+from inkfw.speculative.factory import build_engine, serving_config
 from inkfw.speculative.interfaces import Drafts, Verdict
-from inkfw.speculative.sampling import SamplingParams
+from inkfw.speculative.observers import run_directly
+from inkfw.speculative.sampling import Sampler, SamplingParams
 from inkfw.speculative.verifier import TargetVerifier
 
 WINDOW = 16  # target sliding window: prompts go up to 40 tokens, well past it
@@ -52,19 +55,56 @@ def random_prompts(rng: random.Random, n: int, vocab: int, lo: int = 1, hi: int 
     return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def make_engine(model, drafter, *, verifier=None, prefix_caching: bool = True, num_blocks: int | None = None,
-                max_num_batched_tokens: int = 512, max_num_seqs: int = 16, check_drafts: bool = True,
-                max_model_len: int | None = None) -> tuple[Engine, PagedKVManager]:
-    kv = PagedKVManager(model, num_draft_depths=drafter.num_depths, lookahead=drafter.lookahead,
-                        num_draft_tokens=drafter.num_tokens, block_size=BLOCK, num_blocks=num_blocks,
-                        enable_prefix_caching=prefix_caching, max_model_len=max_model_len,
-                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-    config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                          check_drafts=check_drafts, max_model_len=max_model_len)
-    return Engine(model, drafter, verifier or TargetVerifier(), kv, config=config), kv
+# ----------------------------------------------------------------------------- components by config
+NO_DRAFTER = ["drafter=none"]
 
 
-def generate(model, drafter, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 12,
+def mtp(depths: int, num_tokens: int) -> list[str]:
+    """Overrides for multi-depth MTP drafting: D = ``depths``, k = ``num_tokens``."""
+    return ["drafter=mtp", f"mtp.depths={depths}", f"spec.num_tokens={num_tokens}"]
+
+
+def ngram(num_tokens: int) -> list[str]:
+    return ["drafter=ngram", f"spec.num_tokens={num_tokens}"]
+
+
+def double(group: str, cls: type, **options) -> list[str]:
+    """Overrides that make ``group`` (drafter or verifier) build the test double ``cls`` of this
+    module, with ``options`` as extra arguments of its node."""
+    base = ["drafter=none"] if group == "drafter" else []
+    return [*base, f"{group}._target_={__name__}.{cls.__name__}", *(f"+{group}.{k}={v}" for k, v in options.items())]
+
+
+def random_accept(seed: int = 0, p_argmax: float = 0.5) -> list[str]:
+    """Overrides selecting :class:`RandomAcceptVerifier`."""
+    return double("verifier", RandomAcceptVerifier, seed=seed, p_argmax=p_argmax)
+
+
+def _value(v) -> str:
+    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def make_engine(model, drafter: Sequence[str], *, verifier: Sequence[str] = (), prefix_caching: bool = True,
+                num_blocks: int | None = None, max_num_batched_tokens: int = 512, max_num_seqs: int = 16,
+                check_drafts: bool = True, max_model_len: int | None = None,
+                overrides: Sequence[str] = ()) -> tuple[Engine, PagedKVManager]:
+    """An engine around ``model`` from :func:`build_engine`; ``drafter`` and ``verifier`` are config
+    overrides (:func:`mtp`, :data:`NO_DRAFTER`, :func:`ngram`, :func:`random_accept`, :func:`double`)."""
+    cfg = serving_config([
+        "model=inkling-debug",  # the model is given; this node names no checkpoint, so no tokenizer is read
+        *drafter, *verifier,
+        f"kv.block_size={BLOCK}", f"kv.num_blocks={_value(num_blocks)}",
+        f"kv.enable_prefix_caching={_value(prefix_caching)}",
+        f"engine.max_num_seqs={max_num_seqs}", f"engine.max_num_batched_tokens={max_num_batched_tokens}",
+        f"engine.check_drafts={_value(check_drafts)}", f"engine.max_model_len={_value(max_model_len)}",
+        *overrides])
+    engine, _ = build_engine(cfg, model=model)
+    assert isinstance(engine.kv, PagedKVManager)
+    return engine, engine.kv
+
+
+def generate(model, drafter: Sequence[str], prompts: Sequence[Sequence[int]],
+             max_new_tokens: int | Sequence[int] = 12,
              params: SamplingParams | Sequence[SamplingParams] | None = None,
              **engine_kw) -> tuple[list[Request], Engine, PagedKVManager]:
     """Run ``prompts`` to completion in one engine; every request must finish without an error
@@ -96,10 +136,10 @@ def uncached_greedy(model: InklingLM, prompt: Sequence[int], max_new_tokens: int
     return ids[len(prompt):]
 
 
-class RandomAcceptVerifier:
+class RandomAcceptVerifier(TargetVerifier):
     """Verifier test double: runs the target exactly like :class:`TargetVerifier` (so the
-    target cache holds [x[L-1], drafts]) but accepts a random a' in [0, num_drafts] and then
-    emits the target's argmax or a random token.
+    target cache holds [x[L-1], drafts], and sampled rows consume their draws) but then accepts
+    a random a' in [0, num_drafts] and emits the target's argmax or a random token.
 
     Randomness depends only on (seed, request id, verify step of that request), so a request's
     tokens do not depend on what else shares its batch. ``history`` records
@@ -107,17 +147,17 @@ class RandomAcceptVerifier:
     request's committed length at that verify step.
     """
 
-    def __init__(self, seed: int = 0, p_argmax: float = 0.5, vocab: int | None = None):
+    def __init__(self, model, sampler=None, seed: int = 0, p_argmax: float = 0.5, vocab: int | None = None):
+        super().__init__(model, sampler)
         self.seed, self.p_argmax, self.vocab = seed, p_argmax, vocab
-        self.inner = TargetVerifier()
         self.history: list[tuple[int, int, int, int, list[int]]] = []
         self.lengths: list[int] = []
 
     @torch.no_grad()
-    def verify(self, model, kv, requests, drafts: Drafts) -> Verdict:
-        verdict = self.inner.verify(model, kv, requests, drafts)
-        argmax = model.logits(verdict.hidden).argmax(-1)  # [B, 1+k]
-        vocab = self.vocab or model.cfg.logits_vocab_size
+    def verify(self, kv, requests, drafts: Drafts, run=run_directly) -> Verdict:
+        verdict = super().verify(kv, requests, drafts, run)
+        argmax = self.model.logits(verdict.hidden).argmax(-1)  # [B, 1+k]
+        vocab = self.vocab or self.model.cfg.logits_vocab_size
         accepted, nexts = [], []
         for b, r in enumerate(requests):
             rng = random.Random(f"{self.seed}/{r.id}/{r.num_verify_steps}")
@@ -130,3 +170,72 @@ class RandomAcceptVerifier:
             self.lengths.append(len(r.token_ids))
         device = drafts.tokens.device
         return Verdict(torch.tensor(accepted, device=device), torch.tensor(nexts, device=device), verdict.hidden)
+
+
+class AcceptAllVerifier(TargetVerifier):
+    """Lossy verifier test double: accepts every draft, then samples the bonus token from the
+    target's processed distribution after the last one (through the sampler, with each
+    request's generator). Its output follows the drafter's distribution, not the target's."""
+
+    def accept(self, logits, requests, drafts: Drafts):
+        num = drafts.num_drafts.long()  # [B]
+        p = self.sampler.probs(logits, [r.sampling for r in requests])  # [B, 1+k, V]
+        rows = torch.arange(len(requests), device=p.device)
+        return num, self.sampler.sample(p[rows, num], [r.generator for r in requests])
+
+
+class OracleDrafter:
+    """Drafter test double: proposes the target's own greedy continuation (computed without a
+    cache, up to ``horizon`` tokens after the prompt), each draft corrupted with probability 1/4
+    (seeded), so real greedy verification accepts long and varied prefixes."""
+
+    lookahead = 0
+    num_depths = 0
+    needs_hidden = False
+
+    def __init__(self, model, num_tokens: int, seed: int = 0, horizon: int = 16):
+        self.model, self.num_tokens, self.horizon = model, num_tokens, horizon
+        self.rng = random.Random(seed)
+        self.continuations: dict[tuple[int, ...], list[int]] = {}
+
+    def continuation(self, prompt: Sequence[int]) -> list[int]:
+        key = tuple(prompt)
+        if key not in self.continuations:
+            self.continuations[key] = list(prompt) + uncached_greedy(self.model, prompt, self.horizon)
+        return self.continuations[key]
+
+    def propose(self, spans, kv, run=run_directly, keep_logits: bool = False) -> Drafts:
+        vocab = self.model.cfg.logits_vocab_size
+        tokens = torch.zeros(len(spans), self.num_tokens, dtype=torch.long)
+        num = torch.zeros(len(spans), dtype=torch.long)
+        for b, span in enumerate(spans):
+            r = span.request
+            full = self.continuation(r.prompt_token_ids)
+            L, n = len(r.token_ids), min(self.num_tokens, span.num_drafts)
+            assert r.token_ids == full[:L]  # greedy verification never lets a wrong token through
+            true = (full[L: L + n] + [0] * n)[:n]
+            drafts = [t if self.rng.random() < 0.75 else (t + 1) % vocab for t in true]
+            tokens[b, :n] = torch.tensor(drafts, dtype=torch.long)
+            num[b] = n
+        return Drafts(tokens, num)
+
+    def release(self, rid) -> None:
+        pass
+
+
+class FixedTokenSampler(Sampler):
+    """Sampler test double: every sampling request's processed distribution is one-hot at
+    ``token`` (greedy rows keep their argmax). Drafts and verification that really go through
+    the sampler then emit nothing but ``token``."""
+
+    def __init__(self, device="cpu", token: int = 7, **defaults):
+        super().__init__(device, **defaults)
+        self.token = token
+
+    def probs(self, logits, params):
+        probs = super().probs(logits, params)
+        rows = [params] * logits.shape[0] if isinstance(params, SamplingParams) else list(params)
+        sampled = torch.tensor([not r.greedy for r in rows], device=logits.device)
+        fixed = torch.nn.functional.one_hot(torch.full(logits.shape[:-1], self.token, device=logits.device),
+                                            logits.shape[-1]).to(probs.dtype)
+        return torch.where(sampled.view(-1, *[1] * (logits.dim() - 1)), fixed, probs)

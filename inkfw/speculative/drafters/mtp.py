@@ -1,4 +1,4 @@
-"""Multi-depth MTP drafting with re-prefill (design §3).
+"""Multi-depth MTP drafting with re-prefill (docs/design.md §2).
 
 k = ``num_tokens`` drafts per verify step, D = depths, P = min(D, k) prefill steps.
 
@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from inkfw.speculative.draft_view import DraftView
-from inkfw.speculative.interfaces import DraftSpan, Drafts, KVManager
-from inkfw.speculative.sampling import Sampler, processed_probs
+from inkfw.speculative.interfaces import Drafts, DraftSpan, ForwardRunner, KVManager, TargetModel, TokenSampler
+from inkfw.speculative.observers import run_directly
+from inkfw.speculative.sampling import Sampler
 
 
 @dataclass
@@ -34,8 +35,8 @@ class _RowState:
 class MtpDrafter:
     needs_hidden = True
 
-    def __init__(self, model, num_tokens: int | None = None, num_depths: int | None = None,
-                 sampler: Sampler | None = None, keep_logits: bool = False, clock=None, **_: object):
+    def __init__(self, model: TargetModel, num_tokens: int | None = None, num_depths: int | None = None,
+                 sampler: TokenSampler | None = None, **_: object):
         view = DraftView.from_config(model.cfg, num_depths if num_depths is not None else model.num_mtp_depths,
                                      num_tokens)
         if view.depths > model.num_mtp_depths:
@@ -45,18 +46,14 @@ class MtpDrafter:
         self.num_depths = view.depths
         self.lookahead = view.prefill_steps  # P
         self.sampler = sampler or Sampler()
-        self.keep_logits = keep_logits
-        self.clock = clock
         self._rows: dict[Hashable, _RowState] = {}
 
     def release(self, rid: Hashable) -> None:
         self._rows.pop(rid, None)
 
-    def _run(self, fn, *args):
-        return self.clock(fn, *args) if self.clock is not None else fn(*args)
-
     @torch.no_grad()
-    def propose(self, spans: Sequence[DraftSpan], kv: KVManager) -> Drafts:
+    def propose(self, spans: Sequence[DraftSpan], kv: KVManager, run: ForwardRunner = run_directly,
+                keep_logits: bool = False) -> Drafts:
         model, k, D, P = self.model, self.num_tokens, self.num_depths, self.lookahead
         device = next(model.parameters()).device
         B = len(spans)
@@ -65,6 +62,7 @@ class MtpDrafter:
         # ---- the span of each row: re-prefilled positions + the new ones
         hidden_rows, starts = [], []
         for span in spans:
+            assert span.hidden is not None, "MTP drafting needs the target's hidden states"
             state = self._rows.get(span.request.id)
             if state is None:
                 state = _RowState(span.start, span.hidden[:0])
@@ -98,8 +96,8 @@ class MtpDrafter:
         last = (len_t - 1).to(device)
 
         tokens = torch.zeros(B, k, dtype=torch.long, device=device)
-        probs = [None] * k
-        logits_kept = [None] * k
+        probs: list[torch.Tensor | None] = [None] * k
+        logits_kept: list[torch.Tensor | None] = [None] * k
 
         params = [s.request.sampling for s in spans]
         any_sampled = any(not p.greedy for p in params)
@@ -110,7 +108,7 @@ class MtpDrafter:
         def choose(step: int, logits: torch.Tensor) -> None:  # logits [B, V] -> drafts[:, step]
             tok = logits.argmax(-1)
             if any_sampled:
-                q = processed_probs(logits, params)  # [B, V]
+                q = self.sampler.probs(logits, params)  # [B, V]
                 sampled = [b for b, p in enumerate(params) if not p.greedy and step < wanted[b]]
                 if sampled:
                     idx = torch.tensor(sampled, device=device)
@@ -118,7 +116,7 @@ class MtpDrafter:
                     tok = tok.index_copy(0, idx, self.sampler.sample(q[idx], gens))
                 probs[step] = q
             tokens[:, step] = tok
-            if self.keep_logits:
+            if keep_logits:
                 logits_kept[step] = logits.float()
             at = (draft_at + step).clamp(max=T + k - 1)
             ext[rows, at] = torch.where(want_dev > step, tok, ext[rows, at])
@@ -126,9 +124,9 @@ class MtpDrafter:
         # ---- prefill steps: depth s over the whole span
         for s in range(P):
             cache = kv.draft_cache(s, rids, positions, valid)
-            g = self._run(model.mtp_step, s, g, ext[:, s: s + T], positions, cache)  # [B, T, H]
+            g = run(model.mtp_step, s, g, ext[:, s: s + T], positions, cache)  # [B, T, H]
             if most > s:
-                choose(s, self._run(model.logits, g[rows, last]))
+                choose(s, run(model.logits, g[rows, last]))
 
         # ---- decode steps (k > D): one position per step, depth s % D
         if most > P:
@@ -141,8 +139,8 @@ class MtpDrafter:
                 active = (want_dev > s)[:, None]  # [B, 1]
                 pos = (ends_t + (s - P + 1))[:, None]  # [B, 1]
                 cache = kv.draft_cache(s % D, rids, pos, active)
-                g_last = self._run(model.mtp_step, s % D, g_last, tokens[:, s - 1: s], pos, cache)
-                choose(s, self._run(model.logits, g_last[:, 0]))
+                g_last = run(model.mtp_step, s % D, g_last, tokens[:, s - 1: s], pos, cache)
+                choose(s, run(model.logits, g_last[:, 0]))
 
         num = want.clamp(max=k).to(device)
         q_all = None
@@ -153,7 +151,7 @@ class MtpDrafter:
             greedy_rows = torch.tensor([p.greedy for p in params], device=device)
             q_all = torch.where(greedy_rows[:, None, None], F.one_hot(tokens, V).float(), q_all)
         logits_all = None
-        if self.keep_logits and any(x is not None for x in logits_kept):
+        if keep_logits and any(x is not None for x in logits_kept):
             like = next(x for x in logits_kept if x is not None)
             logits_all = torch.stack([x if x is not None else torch.zeros_like(like) for x in logits_kept], dim=1)
         return Drafts(tokens, num, q_all, logits_all)

@@ -11,7 +11,8 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from inkfw.errors import ConfigError
-from inkfw.speculative.interfaces import DraftSpan, Drafts, KVManager
+from inkfw.speculative.interfaces import Drafts, DraftSpan, ForwardRunner, KVManager
+from inkfw.speculative.observers import run_directly
 
 
 def lookup(tokens: Sequence[int], num_tokens: int, min_n: int, max_n: int) -> list[int]:
@@ -36,7 +37,8 @@ class NgramDrafter:
             raise ConfigError(f"drafter: need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}.")
         self.num_tokens, self.min_n, self.max_n = num_tokens, min_n, max_n
 
-    def propose(self, spans: Sequence[DraftSpan], kv: KVManager) -> Drafts:
+    def propose(self, spans: Sequence[DraftSpan], kv: KVManager, run: ForwardRunner = run_directly,
+                keep_logits: bool = False) -> Drafts:
         k = self.num_tokens
         tokens = torch.zeros(len(spans), k, dtype=torch.long)
         num = torch.zeros(len(spans), dtype=torch.long)

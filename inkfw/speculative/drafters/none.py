@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from inkfw.speculative.interfaces import DraftSpan, Drafts, KVManager
+from inkfw.speculative.interfaces import Drafts, DraftSpan, ForwardRunner, KVManager
+from inkfw.speculative.observers import run_directly
 
 
 class NoDrafter:
@@ -16,7 +17,8 @@ class NoDrafter:
     def __init__(self, **_: object):
         pass
 
-    def propose(self, spans: Sequence[DraftSpan], kv: KVManager) -> Drafts:
+    def propose(self, spans: Sequence[DraftSpan], kv: KVManager, run: ForwardRunner = run_directly,
+                keep_logits: bool = False) -> Drafts:
         return Drafts.empty(len(spans))
 
     def release(self, rid: Hashable) -> None:
