@@ -1,10 +1,14 @@
 """Engine benchmark: overhead (step time / forward time), tokens/s and KV bytes per configuration."""
 
+from pathlib import Path
+
 import hydra
 from omegaconf import DictConfig
 
 from inkfw.bench import run_bench
-from inkfw.cli import run_user_command
+from inkfw.cli import check_group_choices, run_user_command
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
 
 
 @hydra.main(config_path="../conf", config_name="bench", version_base="1.3")
@@ -13,4 +17,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_group_choices(CONF)
     main()

@@ -1,4 +1,4 @@
-"""scripts/infer.py and inkfw.infer: config groups, the output.json contract, greedy equality
+"""scripts/infer.py, inkfw.infer and inkfw.prompts: config groups, the output.json contract, greedy equality
 across drafters, and one clear line for every kind of bad input.
 
 Most checks call :func:`run_infer` in-process on a config composed with Hydra's compose API;
@@ -19,8 +19,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
 from inkfw.errors import CheckpointError, ConfigError, InkfwError
-from inkfw.infer import read_prompts_file, run_infer, write_json_atomic
-from inkfw.speculative.build import build_engine
+from inkfw.infer import run_infer
+from inkfw.prompts import DEMO_TEXT_PROMPTS, read_prompts_file
+from inkfw.reporting import write_json_atomic
+from inkfw.speculative.factory import build_engine
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
@@ -73,11 +75,10 @@ def ckpt_with_tokenizer(tmp_path_factory) -> Path:
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Whitespace
 
-    from inkfw.checkpoint import export_checkpoint
+    from inkfw.models.inkling.checkpoint import export_checkpoint
     from inkfw.presets import build_model
 
-    words = ["[UNK]", "<s>", "</s>"] + "the capital of france is def fibonacci ( n ) : speculative decoding makes " \
-        "generation faster because hello world a b c".split()
+    words = ["[UNK]", "<s>", "</s>"] + ["the", "capital", "of", "france", "is", "def", "fibonacci", "(", "n", ")", ":", "speculative", "decoding", "makes", "generation", "faster", "because", "hello", "world", "a", "b", "c"]
     vocab = {w: i for i, w in enumerate(words)}
     vocab.update({f"w{i}": i for i in range(len(words), 500)})
     tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
@@ -126,10 +127,10 @@ def test_mtp_depths_and_num_tokens():
 # ------------------------------------------------------------------ outputs
 def check_contract(result: dict, max_new: dict[int, int] | int) -> None:
     reqs, m = result["requests"], result["metrics"]
-    assert CONTRACT_METRIC_KEYS <= set(m)
+    assert set(m) >= CONTRACT_METRIC_KEYS
     steps = accepted = drafted = 0
     for i, r in enumerate(reqs):
-        assert CONTRACT_REQUEST_KEYS <= set(r)
+        assert set(r) >= CONTRACT_REQUEST_KEYS
         if r["finish_reason"] == "error":
             assert r["error"] and r["token_ids"] == [] and r["num_verify_steps"] == 0
             continue
@@ -197,8 +198,6 @@ def test_text_prompts_stop_strings_and_demo_with_tokenizer(ckpt_with_tokenizer, 
     assert stopped["finish_reason"] == "stop" and first_word not in stopped["text"]
     capsys.readouterr()
     demo = run_infer(make_cfg(*base, "drafter=none", "max_new_tokens=2"))
-    from inkfw.infer import DEMO_TEXT_PROMPTS
-
     assert [q["prompt"] for q in demo["requests"]] == list(DEMO_TEXT_PROMPTS)
     assert DEMO_TEXT_PROMPTS[0].splitlines()[0] in capsys.readouterr().out
 

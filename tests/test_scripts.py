@@ -1,7 +1,9 @@
-"""Entry points: the smoke run works, bad input gives one line on stderr and exit code != 0."""
+"""Entry points: the smoke run works, bad input gives one line on stderr and exit code != 0,
+and Hydra's run folders go under runs/, never outputs/."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +17,22 @@ def run(script: str, *overrides: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / "scripts" / script), *overrides,
                            "hydra.run.dir=" + str(cwd / "hydra"), "hydra.output_subdir=null"],
                           capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+@pytest.mark.parametrize("script, overrides", [
+    ("infer.py", ["model=inkling-debug", "max_new_tokens=2", "device=cpu"]),
+    ("smoke.py", ["max_new_tokens=2", "device=cpu"]),
+    ("bench.py", ["model=inkling-debug", "batch_sizes=[1]", "drafters=[none]", "repeats=1", "max_new_tokens=2",
+                  "warmup_tokens=0", "output_dir=null"]),
+])
+def test_hydra_run_dir_is_under_runs(tmp_path, script, overrides):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *overrides],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    assert not (tmp_path / "outputs").exists()
+    run_dirs = list((tmp_path / "runs" / "hydra" / script.removesuffix(".py")).iterdir())
+    assert len(run_dirs) == 1 and (run_dirs[0] / ".hydra" / "config.yaml").is_file()
 
 
 def test_smoke_run_succeeds(tmp_path):
@@ -56,7 +74,14 @@ def test_corrupt_checkpoint_via_script(tmp_path):
     assert "model.safetensors" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_count_params_prints_table(tmp_path):
-    out = run("count_params.py", "model=inkling-release", cwd=tmp_path)
+@pytest.mark.parametrize("preset, total, active, published", [
+    ("inkling-release", "975,340,270,146", "41,059,054,146", ("975B", "41B")),
+    ("inkling-small", "276,240,214,570", "11,999,062,570", ("276B", "12B")),
+])
+def test_count_params_prints_table(tmp_path, preset, total, active, published):
+    """The count, and the model card's figure beside it."""
+    out = run("count_params.py", f"model={preset}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    assert "947,025,547,842" in out.stdout and "41,055,883,842" in out.stdout
+    line = next(line for line in out.stdout.splitlines() if "published" in line)
+    assert f"{total} total / {active} active counted" in line
+    assert f"published: {published[0]} total / {published[1]} active" in line

@@ -30,8 +30,9 @@ Rules from the design (§3):
 from __future__ import annotations
 
 import hashlib
+import time
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -197,6 +198,29 @@ class PagedLayerCache:
         return window.masked_fill(~ok[..., None], 0.0)  # [B, T, K, C]
 
 
+class TimedPagedLayerCache(PagedLayerCache):
+    """A :class:`PagedLayerCache` that reports the seconds of each read/write to ``timer``
+    (built only while :attr:`PagedKVManager.cache_timer` is set)."""
+
+    def __init__(self, timer: Callable[[float], None], *args):
+        super().__init__(*args)
+        self.timer = timer
+
+    def update_kv(self, k, v, positions):
+        t = time.perf_counter()
+        try:
+            return super().update_kv(k, v, positions)
+        finally:
+            self.timer(time.perf_counter() - t)
+
+    def conv_window(self, stream, x, positions, kernel_size):
+        t = time.perf_counter()
+        try:
+            return super().conv_window(stream, x, positions, kernel_size)
+        finally:
+            self.timer(time.perf_counter() - t)
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -210,7 +234,13 @@ class PagedKVManager:
     ``max_model_len``); ``num_window_blocks``: blocks of each windowed group (sliding
     attention, conv state; None: enough for every request's window plus one step's tokens).
     A pool that runs dry makes the engine preempt a request, never fail.
+
+    ``cache_timer``: an optional timing hook, called with the seconds each cache read/write
+    inside a model forward took (``update_kv`` / ``conv_window``); None (the default) builds
+    untimed layer caches, at no cost.
     """
+
+    cache_timer: Callable[[float], None] | None = None
 
     def __init__(self, model, num_draft_depths: int = 0, lookahead: int = 0, block_size: int = 16,
                  num_blocks: int | None = None, num_window_blocks: int | None = None,
@@ -402,14 +432,18 @@ class PagedKVManager:
         padding tokens are False and write to the scratch block)."""
         used = {g for kv, conv, _ in self.target_layout for g in (kv, conv)}
         views = {g: self._view(g, rids, positions, valid) for g in sorted(used)}
-        return [PagedLayerCache(views[kv], self.groups[kv].layers[j], views[conv], self.groups[conv].layers[j])
+        return [self._layer_cache(views[kv], self.groups[kv].layers[j], views[conv], self.groups[conv].layers[j])
                 for kv, conv, j in self.target_layout]
 
     def draft_cache(self, depth: int, rids: Sequence[Hashable], positions: torch.Tensor,
                     valid: torch.Tensor) -> PagedLayerCache:
         kv, conv = self.draft_layout[depth]
-        return PagedLayerCache(self._view(kv, rids, positions, valid), self.groups[kv].layers[0],
-                               self._view(conv, rids, positions, valid), self.groups[conv].layers[0])
+        return self._layer_cache(self._view(kv, rids, positions, valid), self.groups[kv].layers[0],
+                                 self._view(conv, rids, positions, valid), self.groups[conv].layers[0])
+
+    def _layer_cache(self, *args) -> PagedLayerCache:
+        timer = self.cache_timer
+        return PagedLayerCache(*args) if timer is None else TimedPagedLayerCache(timer, *args)
 
     def invalidate_draft(self, rid: Hashable, start: int, end: int) -> None:
         """Forget draft positions [start, end) in every depth group (decode-step gaps)."""

@@ -1,0 +1,367 @@
+"""Reporting of runs: statistics collected from engine state, and their renderings.
+
+Two halves, kept apart (docs/design.md §6 defines the metrics):
+
+* **statistics**: plain dicts collected from an engine's state after a run:
+  :func:`request_record` (one request of ``output.json``) and :func:`run_metrics` (the run's
+  :class:`~inkfw.speculative.metrics.SpecMetrics` and
+  :class:`~inkfw.speculative.engine.StepTimes`, with throughput). The benchmark's per
+  configuration results are collected by :mod:`inkfw.bench.timing`.
+* **renderings** of those dicts: rich tables (:func:`infer_table`, :func:`bench_table`), the
+  per-request listing (:func:`print_requests`), Markdown (:func:`bench_markdown`), PNG plots
+  (:func:`bench_plot`) and atomic JSON / text files (:func:`write_json_atomic`).
+
+Used by ``scripts/infer.py`` (:mod:`inkfw.infer`) and ``scripts/bench.py`` (:mod:`inkfw.bench`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from inkfw.errors import ConfigError
+from inkfw.speculative.engine import Request, StepTimes
+
+OVERHEAD_TARGET = 1.15  # engine step time / forward time the benchmark aims below
+
+
+# ============================================================================ statistics
+def time_to_first_token(r: Request | None) -> float | None:
+    """Seconds from ``r``'s arrival to its first output token (None before that)."""
+    if r is None or r.first_token_time is None:
+        return None
+    return r.first_token_time - r.arrival_time
+
+
+def request_record(
+    r: Request | None,
+    index: int,
+    prompt: str | None = None,
+    prompt_token_ids: Sequence[int] | None = None,
+    error: str | None = None,
+) -> dict[str, Any]:
+    """One entry of ``output.json``'s ``requests``.
+
+    ``r`` is None for a request rejected before it reached the engine; then
+    ``prompt_token_ids`` (when known) stands for its prompt. A request with ``error`` is
+    reported with ``finish_reason: "error"``.
+    """
+    return {
+        "index": index,
+        "prompt": prompt,
+        "prompt_token_ids": list(r.prompt_token_ids) if r is not None else list(prompt_token_ids or []),
+        "token_ids": list(r.output_token_ids) if r is not None else [],
+        "text": r.text if r is not None else "",
+        "num_verify_steps": r.num_verify_steps if r is not None else 0,
+        "num_draft_tokens": r.num_draft_tokens if r is not None else 0,
+        "num_accepted_tokens": r.num_accepted_tokens if r is not None else 0,
+        "finish_reason": r.finish_reason if r is not None and error is None else "error",
+        "error": error,
+        "time_to_first_token_s": time_to_first_token(r),
+        "num_preemptions": r.num_preemptions if r is not None else 0,
+    }
+
+
+def step_times_record(t: StepTimes) -> dict[str, Any]:
+    return {
+        "draft_s": t.draft_s,
+        "verify_s": t.verify_s,
+        "bookkeeping_s": t.bookkeeping_s,
+        "forward_s": t.forward_s,
+        "num_steps": t.num_steps,
+    }
+
+
+def run_metrics(engine, requests: Sequence[Request], wall_s: float, drafter: str) -> dict[str, Any]:
+    """``output.json``'s ``metrics`` for ``requests`` run on ``engine`` in ``wall_s`` seconds.
+
+    Acceptance comes from ``engine.metrics`` and step timing from ``engine.times`` (both cover
+    everything the engine ran since they were last reset); ``drafter`` names the drafter.
+    """
+    m, t = engine.metrics, engine.times
+    generated = sum(len(r.output_token_ids) for r in requests)
+    ttfts = [x for x in (time_to_first_token(r) for r in requests) if x is not None]
+    total = t.total_s
+    return {
+        "drafter": drafter,
+        "num_tokens": int(engine.drafter.num_tokens),
+        "mtp_depths": int(engine.drafter.num_depths),
+        "num_requests": len(requests),
+        "num_generated_tokens": generated,
+        "num_verify_steps": m.num_steps,
+        "num_draft_tokens": m.num_draft_tokens,
+        "num_accepted_tokens": m.num_accepted_tokens,
+        "mean_acceptance_length": m.mean_acceptance_length,
+        "acceptance_per_position": m.per_position_acceptance,
+        "conditional_acceptance": m.conditional_acceptance,
+        "draft_acceptance_rate": m.draft_acceptance_rate,
+        "tokens_per_s": generated / wall_s if wall_s > 0 else 0.0,
+        "wall_s": wall_s,
+        "time_to_first_token_s": sum(ttfts) / len(ttfts) if ttfts else None,
+        "step_times": step_times_record(t),
+        "forward_share": t.forward_s / total if total > 0 else 0.0,
+    }
+
+
+# ============================================================================ renderings
+def print_requests(console: Console, records: Sequence[dict[str, Any]], show_text: bool) -> None:
+    """Each request of ``records`` (:func:`request_record`): a header line, then its prompt and
+    output text (``show_text``: the model has a tokenizer) or its output ids."""
+    for rec in records:
+        head = Text(f"request {rec['index']}", style="bold")
+        if rec["error"] is not None:
+            console.print(head + Text(f" rejected: {rec['error']}", style="red"))
+            continue
+        steps = rec["num_verify_steps"]
+        tau = 1 + rec["num_accepted_tokens"] / steps if steps else 0.0
+        head.append(
+            f": {len(rec['prompt_token_ids'])} prompt + {len(rec['token_ids'])} new tokens "
+            f"({rec['finish_reason']}), {steps} steps, acceptance {tau:.2f}",
+            style="dim",
+        )
+        console.print(head)
+        if show_text:
+            if rec["prompt"] is not None:
+                console.print(Text(rec["prompt"], style="cyan"), Text(rec["text"]), sep="")
+            else:
+                console.print(Text(rec["text"]))
+        else:
+            console.print(Text(f"ids: {rec['token_ids']}"))
+
+
+def _percentages(xs: Sequence[float]) -> str:
+    return " ".join(f"{100 * x:.1f}%" for x in xs) if xs else "-"
+
+
+def infer_table(metrics: dict[str, Any], model: str, title: str = "inkfw infer") -> Table:
+    """The run's acceptance and timing (:func:`run_metrics` plus ``num_errors``) as a table."""
+    m = metrics
+    table = Table(title=title)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("model", model)
+    sizes = f"k={m['num_tokens']}" + (f", D={m['mtp_depths']}" if m["mtp_depths"] else "")
+    table.add_row("drafter", m["drafter"] + (f" ({sizes})" if m["num_tokens"] else ""))
+    st = m["step_times"]
+    total = st["draft_s"] + st["verify_s"] + st["bookkeeping_s"]
+
+    def share(x: float) -> str:
+        return f"{x:.3f} s ({100 * x / total:.0f}%)" if total > 0 else f"{x:.3f} s"
+
+    rejected = m.get("num_errors", 0)
+    table.add_row("requests", f"{m['num_requests']}" + (f" (+{rejected} rejected)" if rejected else ""))
+    table.add_row("generated tokens", f"{m['num_generated_tokens']}")
+    table.add_row("verify steps", f"{m['num_verify_steps']}")
+    table.add_row("mean acceptance length", f"{m['mean_acceptance_length']:.3f}")
+    table.add_row("per-position acceptance", _percentages(m["acceptance_per_position"]))
+    table.add_row(
+        "draft / accepted tokens",
+        f"{m['num_draft_tokens']} / {m['num_accepted_tokens']} ({100 * m['draft_acceptance_rate']:.1f}%)",
+    )
+    table.add_row("tokens/s", f"{m['tokens_per_s']:.1f}")
+    ttft = m["time_to_first_token_s"]
+    table.add_row("mean time to first token", f"{ttft:.3f} s" if ttft is not None else "-")
+    table.add_row("engine steps", f"{st['num_steps']}")
+    table.add_row("step time: draft", share(st["draft_s"]))
+    table.add_row("step time: verify", share(st["verify_s"]))
+    table.add_row("step time: bookkeeping", share(st["bookkeeping_s"]))
+    table.add_row("forward share", f"{100 * m['forward_share']:.0f}%")
+    return table
+
+
+def _spread(values: Sequence[float]) -> str:
+    return f"{min(values):.3f}-{max(values):.3f}" if len(values) > 1 else f"{values[0]:.3f}"
+
+
+def _has_cache_time(results: Sequence[dict[str, Any]]) -> bool:
+    return any(r["overhead_ratio_model_only"] is not None for r in results)
+
+
+def bench_markdown(results: Sequence[dict[str, Any]]) -> str:
+    """The benchmark's results (:func:`inkfw.bench.timing.CaseTiming.result`) as a Markdown table."""
+    cache = _has_cache_time(results)
+    head = (
+        "| drafter | batch | wall s | tokens/s | steps | step ms | forward ms | **overhead** | per repeat "
+        "| non-fwd ms/step | draft other ms | verify other ms | bookkeeping ms | tau | KV MiB |"
+        + (" cache ms in fwd | model-only overhead |" if cache else "")
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in results:
+        n = max(1, r["num_steps"])
+        lines.append(
+            f"| {r['drafter']} (k={r['num_draft_tokens']}) | {r['batch_size']} | {r['wall_s']:.2f} | "
+            f"{r['tokens_per_s']:.1f} | {r['num_steps']} | {r['step_ms']:.1f} | {1e3 * r['forward_s'] / n:.1f} | "
+            f"**{r['overhead_ratio']:.3f}** | {_spread(r['overhead_ratio_per_repeat'])} | "
+            f"{r['non_forward_ms_per_step']:.2f} | {1e3 * r['draft_non_forward_s'] / n:.2f} | "
+            f"{1e3 * r['verify_non_forward_s'] / n:.2f} | {1e3 * r['bookkeeping_s'] / n:.2f} | "
+            f"{r['mean_acceptance_length']:.2f} | {r['kv_bytes'] / 2**20:.1f} |"
+            + (f" {1e3 * r['cache_in_forward_s'] / n:.2f} | {r['overhead_ratio_model_only']:.3f} |" if cache else "")
+        )
+    return "\n".join(lines) + "\n"
+
+
+def bench_table(results: Sequence[dict[str, Any]], profiled: bool = False) -> Table:
+    """The benchmark's results as a rich table (overhead green within the target, else red)."""
+    table = Table(
+        title=f"engine overhead (target <= {OVERHEAD_TARGET})" + ("; cProfile on: times inflated" if profiled else "")
+    )
+    cache = _has_cache_time(results)
+    for col in (
+        "config",
+        "wall s",
+        "tok/s",
+        "steps",
+        "step ms",
+        "overhead",
+        "per repeat",
+        "non-fwd ms/step",
+        "draft s (fwd)",
+        "verify s (fwd)",
+        "bookkeep s",
+        "tau",
+        "KV MiB",
+    ):
+        table.add_column(col, justify="right" if col != "config" else "left")
+    if cache:
+        table.add_column("cache ms/step in fwd", justify="right")
+        table.add_column("model-only overhead", justify="right")
+    for r in results:
+        ratio = r["overhead_ratio"]
+        style = "green" if ratio <= OVERHEAD_TARGET else "red"
+        table.add_row(
+            f"{r['drafter']} k={r['num_draft_tokens']} b={r['batch_size']}",
+            f"{r['wall_s']:.2f}",
+            f"{r['tokens_per_s']:.1f}",
+            str(r["num_steps"]),
+            f"{r['step_ms']:.1f}",
+            f"[{style}]{ratio:.3f}[/{style}]",
+            _spread(r["overhead_ratio_per_repeat"]),
+            f"{r['non_forward_ms_per_step']:.2f}",
+            f"{r['draft_s']:.2f} ({r['draft_forward_s']:.2f})",
+            f"{r['verify_s']:.2f} ({r['verify_forward_s']:.2f})",
+            f"{r['bookkeeping_s']:.3f}",
+            f"{r['mean_acceptance_length']:.2f}",
+            f"{r['kv_bytes'] / 2**20:.1f}",
+            *(
+                [
+                    f"{1e3 * r['cache_in_forward_s'] / max(1, r['num_steps']):.2f}",
+                    f"{r['overhead_ratio_model_only']:.3f}",
+                ]
+                if cache
+                else []
+            ),
+        )
+    return table
+
+
+def bench_comparison_lines(results: Sequence[dict[str, Any]]) -> list[str]:
+    """Per batch size with both ``none`` and ``mtp`` results: their tokens/s ratio, mtp's tau
+    and how many requests' greedy outputs differed between the drafters."""
+    by = {(r["drafter"], r["batch_size"]): r for r in results}
+    lines = []
+    for b in dict.fromkeys(r["batch_size"] for r in results):
+        if ("none", b) in by and ("mtp", b) in by:
+            none, mtp = by[("none", b)], by[("mtp", b)]
+            lines.append(
+                f"batch {b}: mtp/none tokens/s = {mtp['tokens_per_s'] / none['tokens_per_s']:.3f} "
+                f"(tau {mtp['mean_acceptance_length']:.2f}; random weights accept almost nothing); "
+                f"requests whose greedy output differs between drafters: "
+                f"{mtp['greedy_output_mismatches']}"
+            )
+    return lines
+
+
+def bench_plot(results: Sequence[dict[str, Any]], path: str | Path) -> bool:
+    """Stacked ms/step per configuration and the overhead ratio as a PNG; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = [f"{r['drafter']}\nb={r['batch_size']}" for r in results]
+    parts = [
+        ("target forward", "verify_forward_s", "#4c72b0"),
+        ("draft forward", "draft_forward_s", "#55a868"),
+        ("verify other", "verify_non_forward_s", "#c44e52"),
+        ("draft other", "draft_non_forward_s", "#dd8452"),
+        ("bookkeeping", "bookkeeping_s", "#8172b3"),
+    ]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    bottom = [0.0] * len(results)
+    for label, key, color in parts:
+        vals = [1e3 * r[key] / max(1, r["num_steps"]) for r in results]
+        ax1.bar(names, vals, bottom=bottom, label=label, color=color)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax1.set_ylabel("ms per engine step")
+    ax1.set_title("where a step goes")
+    ax1.legend(fontsize=8)
+    # overhead share: each non-forward part over the forward time
+    bottom = [1.0] * len(results)
+    ax2.bar(names, bottom, color="#cccccc", label="forwards (= 1)")
+    for label, key, color in parts[2:]:
+        vals = [r[key] / r["forward_s"] for r in results]
+        ax2.bar(names, vals, bottom=bottom, label=label, color=color)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax2.axhline(OVERHEAD_TARGET, color="black", linestyle="--", linewidth=1, label=f"target {OVERHEAD_TARGET}")
+    ax2.set_ylim(0.9, max(OVERHEAD_TARGET + 0.05, max(bottom) + 0.03))
+    ax2.set_ylabel("step time / forward time")
+    ax2.set_title("engine overhead")
+    ax2.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# ============================================================================ files
+def output_file(value: Any, option: str) -> Path | None:
+    """The file path given to ``option`` (None for null or ""), its folder created; checked
+    before any work, so a bad path fails at once."""
+    if value in (None, ""):
+        return None
+    path = Path(str(value)).expanduser()
+    if path.is_dir():
+        raise ConfigError(f"{option}={path} is a directory; give a file path.")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{option}={path}: cannot create its folder ({exc.strerror or exc}).") from exc
+    return path
+
+
+def write_text_atomic(path: str | Path, text: str, option: str | None = None) -> Path:
+    """Write ``text`` to ``path`` via a temporary file in the same folder and a rename, so a
+    reader never sees a half-written file. An OS error becomes a :class:`ConfigError` naming
+    ``option`` (the setting that gave the path) when given."""
+    path = Path(path)
+    where = f"{option}={path}" if option else str(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot write ({exc.strerror or exc}).") from exc
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException as exc:
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise ConfigError(f"{where}: cannot write ({exc.strerror or exc}).") from exc
+        raise
+    return path
+
+
+def write_json_atomic(path: str | Path, data: Any, option: str | None = "output.json") -> Path:
+    """Write ``data`` as indented JSON to ``path`` atomically (see :func:`write_text_atomic`)."""
+    return write_text_atomic(path, json.dumps(data, indent=2) + "\n", option)
