@@ -4,7 +4,7 @@ import hydra
 from omegaconf import DictConfig
 
 from inkfw.cli import run_user_command
-from inkfw.params import report_parameters
+from inkfw.presets import report_parameters
 
 
 @hydra.main(config_path="../conf", config_name="count_params", version_base="1.3")

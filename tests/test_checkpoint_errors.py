@@ -12,12 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from inkfw.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint, export_checkpoint, load_model, open_checkpoint
+from helpers.models import randomize_, tiny_config
+from inkfw.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint
 from inkfw.errors import CheckpointError, ConfigError, InkfwError
+from inkfw.models.inkling.checkpoint import export_checkpoint, load_model, open_checkpoint
 from inkfw.models.inkling.layers import Router, ShortConv
 from inkfw.models.inkling.model import InklingLM
-
-from helpers.models import randomize_, tiny_config
 
 # tensors of the release layout used below (all "copy" tensors, no interleave)
 Q_PROJ = "model.llm.layers.1.attn.wq_du.weight"
@@ -170,18 +170,63 @@ def test_missing_chain_norm(ckpt):
         load_model(ckpt)
 
 
-@pytest.mark.parametrize("extra", [
-    "model.llm.layers.0.attn.something_new.weight",
-    "model.mtp.layers.3.hidden_norm.weight",  # a depth beyond those config.json says ship
-    "model.visualization.weight",  # looks like a tower, is not one
-    "lm_head.weight",  # an HF name inside a release checkpoint
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        "model.llm.layers.0.attn.something_new.weight",
+        "model.mtp.layers.3.hidden_norm.weight",  # a depth beyond those config.json says ship
+        "model.visualization.weight",  # looks like a tower, is not one
+        "lm_head.weight",  # an HF name inside a release checkpoint
+    ],
+)
 def test_unexpected_tensor(ckpt, extra):
     rewrite(ckpt / SINGLE_FILE, lambda t: t.__setitem__(extra, torch.zeros(3)))
     with pytest.raises(CheckpointError, match="unexpected tensor") as exc:
         load_model(ckpt)
     assert extra in str(exc.value)
     assert SINGLE_FILE in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "bad, closest",
+    [
+        ("model.llm.layers.1.attn.wq_du.weights", Q_PROJ),
+        ("model.llm.layers.2.mlp.experts.w13_weigth", "model.llm.layers.2.mlp.experts.w13_weight"),
+        ("model.llm.layers.1.self_attn.q_proj.weigth", "model.llm.layers.1.self_attn.q_proj.weight"),  # HF block name
+        ("model.mtp.layers.0.hidden_normm.weight", "model.mtp.layers.0.hidden_norm.weight"),
+        ("model.llm.unembed.weights", "model.llm.unembed.weight"),
+    ],
+)
+def test_unknown_name_gives_the_closest_known_name(ckpt, bad, closest):
+    """One sentence: the file, the name, and the closest name an Inkling checkpoint may use."""
+    rewrite(ckpt / SINGLE_FILE, lambda t: t.__setitem__(bad, torch.zeros(3)))
+    with pytest.raises(CheckpointError) as exc:
+        load_model(ckpt)
+    assert str(exc.value) == f"{ckpt / SINGLE_FILE}: unexpected tensor {bad} (closest known name: {closest})."
+
+
+def test_tensor_spelled_twice(ckpt):
+    """The release and the HF name of one tensor in one checkpoint: the odd one out is named."""
+    extra = "model.llm.layers.0.input_layernorm.weight"
+    rewrite(ckpt / SINGLE_FILE, lambda t: t.__setitem__(extra, t["model.llm.layers.0.attn_norm.weight"].clone()))
+    with pytest.raises(CheckpointError, match="unexpected tensor") as exc:
+        load_model(ckpt)
+    assert str(exc.value) == (
+        f"{ckpt / SINGLE_FILE}: unexpected tensor {extra}, a second copy of "
+        f"model.llm.layers.0.attn_norm.weight in {ckpt / SINGLE_FILE}."
+    )
+
+
+def test_half_of_a_split_tensor(ckpt):
+    """HF's gate_proj without its up_proj (the release w13 removed): the missing half is named."""
+    w13 = "model.llm.layers.0.mlp.w13_dn.weight"
+
+    def edit(t):
+        t["model.llm.layers.0.mlp.gate_proj.weight"] = t.pop(w13)[:48]
+
+    rewrite(ckpt / SINGLE_FILE, edit)
+    with pytest.raises(CheckpointError, match="missing tensor model.llm.layers.0.mlp.up_proj.weight"):
+        load_model(ckpt)
 
 
 def test_wrong_shape(ckpt):
@@ -310,8 +355,11 @@ def read_log(monkeypatch) -> list[str]:
 
 
 def test_visual_and_audio_towers_are_skipped(ckpt, source_model, read_log):
-    towers = {"model.visual.patch_embed.weight": torch.ones(4, 3), "model.audio.encoder.0.weight": torch.ones(2),
-              "model.visual.blocks.0.attn.qkv.weight": torch.ones(6, 2)}
+    towers = {
+        "model.visual.patch_embed.weight": torch.ones(4, 3),
+        "model.audio.encoder.0.weight": torch.ones(2),
+        "model.visual.blocks.0.attn.qkv.weight": torch.ones(6, 2),
+    }
     rewrite(ckpt / SINGLE_FILE, lambda t: t.update(towers))
     model, ck = load_model(ckpt)
     assert set(towers) <= set(ck.weight_map)

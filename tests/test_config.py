@@ -9,22 +9,41 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers.models import tiny_config
+from inkfw.errors import ConfigError
 from inkfw.models.inkling.config import InklingConfig, MtpConfig
 from inkfw.speculative.draft_view import DraftView
-from inkfw.errors import ConfigError
-
-from helpers.models import tiny_config
 
 # text fields shared by the dialect tests, in Hugging Face's names
 TEXT = dict(
-    vocab_size=128, unpadded_vocab_size=120, hidden_size=64, num_hidden_layers=6,
-    num_attention_heads=8, num_key_value_heads=2, head_dim=16, rel_extent=32,
-    swa_num_attention_heads=4, swa_num_key_value_heads=4, swa_head_dim=8, sliding_window_size=16,
-    d_rel=4, log_scaling_n_floor=64, log_scaling_alpha=0.25,
-    intermediate_size=96, moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=3,
-    n_shared_experts=1, route_scale=3.0, conv_kernel_size=3, rms_norm_eps=1e-5,
-    logits_mup_width_multiplier=4.0, max_position_embeddings=4096,
-    bos_token_id=5, eos_token_id=[6, 7], pad_token_id=0,
+    vocab_size=128,
+    unpadded_vocab_size=120,
+    hidden_size=64,
+    num_hidden_layers=6,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=16,
+    rel_extent=32,
+    swa_num_attention_heads=4,
+    swa_num_key_value_heads=4,
+    swa_head_dim=8,
+    sliding_window_size=16,
+    d_rel=4,
+    log_scaling_n_floor=64,
+    log_scaling_alpha=0.25,
+    intermediate_size=96,
+    moe_intermediate_size=24,
+    n_routed_experts=8,
+    num_experts_per_tok=3,
+    n_shared_experts=1,
+    route_scale=3.0,
+    conv_kernel_size=3,
+    rms_norm_eps=1e-5,
+    logits_mup_width_multiplier=4.0,
+    max_position_embeddings=4096,
+    bos_token_id=5,
+    eos_token_id=[6, 7],
+    pad_token_id=0,
 )
 MTP = dict(num_nextn_predict_layers=3, chain_hidden_post_norm=True, local_layer_ids=[0, 2])
 
@@ -51,8 +70,7 @@ def test_mm_model_dialect():
     raw = {
         "model_type": "inkling_mm_model",
         "architectures": ["InklingForConditionalGeneration"],
-        "text_config": dict(TEXT, model_type="inkling_text", local_layer_ids=[0, 1, 3],
-                            dense_mlp_idx=2),
+        "text_config": dict(TEXT, model_type="inkling_text", local_layer_ids=[0, 1, 3], dense_mlp_idx=2),
         "vision_config": {"hidden_size": 999},  # ignored
         "hidden_size": 12345,  # top-level text fields are ignored for the mm layout
         "mtp_config": dict(MTP),
@@ -73,8 +91,7 @@ def test_mm_model_without_text_config_is_an_error():
 
 
 def test_flat_model_dialect():
-    raw = dict(TEXT, model_type="inkling_model", local_layer_ids=[5, 1], dense_mlp_idx=1,
-               mtp_config=dict(MTP))
+    raw = dict(TEXT, model_type="inkling_model", local_layer_ids=[5, 1], dense_mlp_idx=1, mtp_config=dict(MTP))
     c = InklingConfig.from_dict(raw)
     check_text_fields(c)
     check_mtp(c)
@@ -90,10 +107,13 @@ def test_flat_model_without_mtp_config_ships_no_depths():
 
 def test_hf_text_dialect():
     raw = dict(
-        TEXT, model_type="inkling_text",
+        TEXT,
+        model_type="inkling_text",
         layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid_sliding", "hybrid", "hybrid"],
         mlp_layer_types=["dense", "dense", "dense", "sparse", "sparse", "sparse"],
-        num_mtp_layers=3, chain_hidden_post_norm=True, mtp_local_layer_ids=[0, 2],
+        num_mtp_layers=3,
+        chain_hidden_post_norm=True,
+        mtp_local_layer_ids=[0, 2],
         local_layer_ids=None,  # HF saves it as null next to layer_types
     )
     c = InklingConfig.from_dict(raw)
@@ -110,8 +130,9 @@ def test_hf_text_dialect_without_mtp_fields():
 
 
 def test_hf_mlp_layer_types_must_be_a_dense_prefix():
-    raw = dict(TEXT, model_type="inkling_text",
-               mlp_layer_types=["dense", "sparse", "dense", "sparse", "sparse", "sparse"])
+    raw = dict(
+        TEXT, model_type="inkling_text", mlp_layer_types=["dense", "sparse", "dense", "sparse", "sparse", "sparse"]
+    )
     with pytest.raises(ConfigError, match="mlp_layer_types"):
         InklingConfig.from_dict(raw)
 
@@ -125,24 +146,29 @@ def test_hf_all_sparse_and_all_dense():
 
 
 def test_mtp_config_wins_over_inline_fields():
-    raw = dict(TEXT, model_type="inkling_model", num_mtp_layers=7, mtp_local_layer_ids=[4],
-               mtp_config=dict(MTP))
+    raw = dict(TEXT, model_type="inkling_model", num_mtp_layers=7, mtp_local_layer_ids=[4], mtp_config=dict(MTP))
     check_mtp(InklingConfig.from_dict(raw))
 
 
 def test_mm_model_with_mtp_fields_only_in_text_config():
     # what Hugging Face writes back for an mm config it loaded: the MTP fields copied into text_config
-    raw = {"model_type": "inkling_mm_model",
-           "text_config": dict(TEXT, num_mtp_layers=3, chain_hidden_post_norm=True, mtp_local_layer_ids=[0, 2])}
+    raw = {
+        "model_type": "inkling_mm_model",
+        "text_config": dict(TEXT, num_mtp_layers=3, chain_hidden_post_norm=True, mtp_local_layer_ids=[0, 2]),
+    }
     check_mtp(InklingConfig.from_dict(raw))
 
 
 # ----------------------------------------------------------------- release aliases
 def test_release_aliases():
-    text = {k: v for k, v in TEXT.items() if k not in ("conv_kernel_size", "max_position_embeddings",
-                                                        "intermediate_size", "moe_intermediate_size")}
-    text.update(sconv_kernel_size=5, model_max_length=2048, dense_mlp_idx=2,
-                dense_intermediate_size=80, intermediate_size=20)
+    text = {
+        k: v
+        for k, v in TEXT.items()
+        if k not in ("conv_kernel_size", "max_position_embeddings", "intermediate_size", "moe_intermediate_size")
+    }
+    text.update(
+        sconv_kernel_size=5, model_max_length=2048, dense_mlp_idx=2, dense_intermediate_size=80, intermediate_size=20
+    )
     c = InklingConfig.from_dict({"model_type": "inkling_mm_model", "text_config": text, "mtp_config": MTP})
     assert c.conv_kernel_size == 5
     assert c.max_position_embeddings == 2048
@@ -157,11 +183,22 @@ def test_intermediate_sizes_without_release_alias():
 
 
 def test_hf_attribute_names_and_inkfw_names_are_both_read():
-    text = {k: v for k, v in TEXT.items() if k not in (
-        "num_attention_heads", "num_key_value_heads", "swa_num_attention_heads", "swa_num_key_value_heads",
-        "sliding_window_size", "n_routed_experts")}
-    text.update(num_heads=8, num_kv_heads=2, swa_num_heads=4, swa_num_kv_heads=4, sliding_window=16,
-                num_local_experts=8)
+    text = {
+        k: v
+        for k, v in TEXT.items()
+        if k
+        not in (
+            "num_attention_heads",
+            "num_key_value_heads",
+            "swa_num_attention_heads",
+            "swa_num_key_value_heads",
+            "sliding_window_size",
+            "n_routed_experts",
+        )
+    }
+    text.update(
+        num_heads=8, num_kv_heads=2, swa_num_heads=4, swa_num_kv_heads=4, sliding_window=16, num_local_experts=8
+    )
     check_text_fields(InklingConfig.from_dict(dict(text, model_type="inkling_model")))
 
 
@@ -191,35 +228,44 @@ def test_unknown_model_type(model_type):
     assert "some/config.json" in str(exc.value)
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(num_attention_heads=6, num_key_value_heads=4), "num_heads"),
-    (dict(swa_num_attention_heads=6, swa_num_key_value_heads=4), "swa_num_heads"),
-    (dict(local_layer_ids=[0, 6]), "local_layer_ids"),
-    (dict(dense_mlp_idx=7), "dense_mlp_idx"),
-    (dict(num_experts_per_tok=9), "num_experts_per_tok"),
-    (dict(hidden_size=0), "hidden_size"),
-    (dict(vocab_size="many"), "invalid value"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(num_attention_heads=6, num_key_value_heads=4), "num_heads"),
+        (dict(swa_num_attention_heads=6, swa_num_key_value_heads=4), "swa_num_heads"),
+        (dict(local_layer_ids=[0, 6]), "local_layer_ids"),
+        (dict(dense_mlp_idx=7), "dense_mlp_idx"),
+        (dict(num_experts_per_tok=9), "num_experts_per_tok"),
+        (dict(hidden_size=0), "hidden_size"),
+        (dict(vocab_size="many"), "invalid value"),
+    ],
+)
 def test_invalid_values(bad, match):
     with pytest.raises(ConfigError, match=match):
         InklingConfig.from_dict(dict(TEXT, model_type="inkling_model", **bad))
 
 
-@pytest.mark.parametrize("raw", [
-    pytest.param([1, 2], id="not-an-object"),
-    pytest.param(dict(TEXT, model_type="inkling_model", num_hidden_layers="six"), id="num_hidden_layers-str"),
-    pytest.param(dict(TEXT, model_type="inkling_model", num_hidden_layers=None), id="num_hidden_layers-null"),
-    pytest.param(dict(TEXT, model_type="inkling_text", layer_types=5), id="layer_types-int"),
-    pytest.param(dict(TEXT, model_type="inkling_text", mlp_layer_types=5), id="mlp_layer_types-int"),
-    pytest.param(dict(TEXT, model_type="inkling_model", mtp_config=[3]), id="mtp_config-list"),
-    pytest.param(dict(TEXT, model_type="inkling_model", mtp_config={"num_nextn_predict_layers": "x"}),
-                 id="mtp-depths-str"),
-    pytest.param(dict(TEXT, model_type="inkling_model", mtp_config={"local_layer_ids": 3}), id="mtp-local-int"),
-    pytest.param(dict(TEXT, model_type="inkling_text", layer_types=["hybrid", "hybrid_sliding"]),
-                 id="layer_types-length"),
-    pytest.param(dict(TEXT, model_type="inkling_text", mlp_layer_types=["dense", "sparse"]),
-                 id="mlp_layer_types-length"),
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        pytest.param([1, 2], id="not-an-object"),
+        pytest.param(dict(TEXT, model_type="inkling_model", num_hidden_layers="six"), id="num_hidden_layers-str"),
+        pytest.param(dict(TEXT, model_type="inkling_model", num_hidden_layers=None), id="num_hidden_layers-null"),
+        pytest.param(dict(TEXT, model_type="inkling_text", layer_types=5), id="layer_types-int"),
+        pytest.param(dict(TEXT, model_type="inkling_text", mlp_layer_types=5), id="mlp_layer_types-int"),
+        pytest.param(dict(TEXT, model_type="inkling_model", mtp_config=[3]), id="mtp_config-list"),
+        pytest.param(
+            dict(TEXT, model_type="inkling_model", mtp_config={"num_nextn_predict_layers": "x"}), id="mtp-depths-str"
+        ),
+        pytest.param(dict(TEXT, model_type="inkling_model", mtp_config={"local_layer_ids": 3}), id="mtp-local-int"),
+        pytest.param(
+            dict(TEXT, model_type="inkling_text", layer_types=["hybrid", "hybrid_sliding"]), id="layer_types-length"
+        ),
+        pytest.param(
+            dict(TEXT, model_type="inkling_text", mlp_layer_types=["dense", "sparse"]), id="mlp_layer_types-length"
+        ),
+    ],
+)
 def test_malformed_config_is_a_config_error(raw):
     """A malformed config.json is a ConfigError (one sentence for the user), never a raw
     TypeError/ValueError/AttributeError, and never silently read as some other model."""
@@ -229,8 +275,9 @@ def test_malformed_config_is_a_config_error(raw):
 
 def test_negative_mtp_depths_is_an_error():
     with pytest.raises(ConfigError, match="num_nextn_predict_layers"):
-        InklingConfig.from_dict(dict(TEXT, model_type="inkling_model",
-                                     mtp_config=dict(MTP, num_nextn_predict_layers=-1)))
+        InklingConfig.from_dict(
+            dict(TEXT, model_type="inkling_model", mtp_config=dict(MTP, num_nextn_predict_layers=-1))
+        )
 
 
 def test_from_json(tmp_path):
@@ -257,8 +304,11 @@ def test_release_dict_layout():
     assert out["vision_config"] == {"a": 1}
     assert out["text_config"]["model_type"] == "inkling_text"
     assert out["text_config"]["num_hidden_layers"] == 4
-    assert out["mtp_config"] == {"num_nextn_predict_layers": 3, "chain_hidden_post_norm": True,
-                                 "local_layer_ids": [0, 2]}
+    assert out["mtp_config"] == {
+        "num_nextn_predict_layers": 3,
+        "chain_hidden_post_norm": True,
+        "local_layer_ids": [0, 2],
+    }
     assert out["architectures"] == ["InklingForConditionalGeneration"]
 
 
@@ -307,27 +357,38 @@ def configs(draw) -> InklingConfig:
         unpadded_vocab_size=draw(st.one_of(st.none(), st.integers(1, 500))),
         hidden_size=draw(small),
         num_layers=num_layers,
-        num_heads=kv * draw(st.integers(1, 3)), num_kv_heads=kv, head_dim=draw(small),
+        num_heads=kv * draw(st.integers(1, 3)),
+        num_kv_heads=kv,
+        head_dim=draw(small),
         rel_extent=draw(small),
-        swa_num_heads=swa_kv * draw(st.integers(1, 3)), swa_num_kv_heads=swa_kv, swa_head_dim=draw(small),
+        swa_num_heads=swa_kv * draw(st.integers(1, 3)),
+        swa_num_kv_heads=swa_kv,
+        swa_head_dim=draw(small),
         sliding_window=draw(small),
         local_layer_ids=draw(st.one_of(st.none(), st.lists(st.integers(0, num_layers - 1), unique=True))),
         d_rel=draw(small),
         log_scaling_n_floor=draw(st.one_of(st.none(), st.integers(1, 4096))),
         log_scaling_alpha=draw(floats),
         dense_mlp_idx=draw(st.integers(0, num_layers)),
-        intermediate_size=draw(small), moe_intermediate_size=draw(small),
-        n_routed_experts=experts, num_experts_per_tok=draw(st.integers(1, experts)),
-        n_shared_experts=draw(st.integers(1, 3)), route_scale=draw(floats),
-        conv_kernel_size=draw(st.integers(1, 6)), rms_norm_eps=draw(floats),
+        intermediate_size=draw(small),
+        moe_intermediate_size=draw(small),
+        n_routed_experts=experts,
+        num_experts_per_tok=draw(st.integers(1, experts)),
+        n_shared_experts=draw(st.integers(1, 3)),
+        route_scale=draw(floats),
+        conv_kernel_size=draw(st.integers(1, 6)),
+        rms_norm_eps=draw(floats),
         logits_mup_width_multiplier=draw(floats),
         use_embed_norm=draw(st.booleans()),
         max_position_embeddings=draw(st.integers(1, 1 << 20)),
         bos_token_id=draw(maybe_int),
         eos_token_id=draw(st.one_of(maybe_int, st.lists(st.integers(0, 1000), min_size=1, max_size=3))),
         pad_token_id=draw(maybe_int),
-        mtp=MtpConfig(num_nextn_predict_layers=depths, chain_hidden_post_norm=draw(st.booleans()),
-                      local_layer_ids=sorted(draw(st.sets(st.integers(0, max(depths - 1, 0)), max_size=depths)))),
+        mtp=MtpConfig(
+            num_nextn_predict_layers=depths,
+            chain_hidden_post_norm=draw(st.booleans()),
+            local_layer_ids=sorted(draw(st.sets(st.integers(0, max(depths - 1, 0)), max_size=depths))),
+        ),
     )
 
 
@@ -346,14 +407,17 @@ def test_draft_view_defaults():
     assert v.local_layer_ids == (0, 2)
 
 
-@pytest.mark.parametrize("shipped, requested, k, depths, prefill", [
-    (3, 1, None, 1, 1),
-    (3, 2, 5, 2, 2),   # k > D: P = D
-    (3, 3, 1, 3, 1),   # k < D: P = k
-    (3, 8, 4, 3, 3),   # requested beyond shipped: clipped to the checkpoint
-    (1, None, 6, 1, 1),
-    (8, None, 2, 8, 2),
-])
+@pytest.mark.parametrize(
+    "shipped, requested, k, depths, prefill",
+    [
+        (3, 1, None, 1, 1),
+        (3, 2, 5, 2, 2),  # k > D: P = D
+        (3, 3, 1, 3, 1),  # k < D: P = k
+        (3, 8, 4, 3, 3),  # requested beyond shipped: clipped to the checkpoint
+        (1, None, 6, 1, 1),
+        (8, None, 2, 8, 2),
+    ],
+)
 def test_draft_view_depths_and_prefill(shipped, requested, k, depths, prefill):
     cfg = tiny_config().with_mtp_depths(shipped)
     v = DraftView.from_config(cfg, requested_depths=requested, num_draft_tokens=k)

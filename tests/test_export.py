@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from helpers.models import randomize_, tiny_config
-from inkfw.checkpoint import INDEX_FILE, SINGLE_FILE, export_checkpoint, load_model, open_checkpoint
-from inkfw.models.inkling.model import InklingLM
 from reference.hf import TINY_AUDIO, TINY_VISION
+
+from helpers.models import randomize_
+from inkfw.checkpoint import INDEX_FILE, SINGLE_FILE
+from inkfw.models.inkling.checkpoint import export_checkpoint, load_model, open_checkpoint
+from inkfw.models.inkling.model import InklingLM
 
 B, T = 2, 40
 
@@ -64,8 +65,11 @@ def test_export_roundtrip_single_file(model, tmp_path):
 
     raw = json.loads((out / "config.json").read_text())
     assert raw["model_type"] == "inkling_mm_model"
-    assert raw["mtp_config"] == {"num_nextn_predict_layers": 3, "chain_hidden_post_norm": True,
-                                 "local_layer_ids": [0, 2]}
+    assert raw["mtp_config"] == {
+        "num_nextn_predict_layers": 3,
+        "chain_hidden_post_norm": True,
+        "local_layer_ids": [0, 2],
+    }
     # release names, gate/up interleaved in w13 tensors
     names = set(ckpt.weight_map)
     assert "model.llm.layers.0.mlp.w13_dn.weight" in names
@@ -151,8 +155,13 @@ def test_export_copies_tokenizer_and_extra_config(model, tmp_path):
     tok = tmp_path / "src" / "tokenizer.json"
     tok.parent.mkdir()
     tok.write_bytes(json.dumps({"version": "1.0", "model": {"type": "BPE", "vocab": {"a": 0}}}).encode() + b"\n\x00")
-    extra = {"vision_config": dict(TINY_VISION), "audio_config": dict(TINY_AUDIO), "image_token_id": 77,
-             "model_type": "ignored", "text_config": {"ignored": True}}
+    extra = {
+        "vision_config": dict(TINY_VISION),
+        "audio_config": dict(TINY_AUDIO),
+        "image_token_id": 77,
+        "model_type": "ignored",
+        "text_config": {"ignored": True},
+    }
     out = export_checkpoint(model, tmp_path / "ckpt", tokenizer_json=tok, extra_config=extra)
     assert (out / "tokenizer.json").read_bytes() == tok.read_bytes()
     assert open_checkpoint(out).tokenizer_path == out / "tokenizer.json"
@@ -171,14 +180,53 @@ def test_export_copies_tokenizer_and_extra_config(model, tmp_path):
     assert _leftovers(tmp_path, {"src", "ckpt", "plain"}) == []
 
 
+def _names(file: Path) -> set[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(file), "pt") as f:
+        return set(f.keys())
+
+
+@pytest.mark.parametrize("max_shard_bytes", [None, 16 * 1024])
+def test_export_mtp_file(model, tmp_path, max_shard_bytes):
+    """mtp_file=True: the depths (and the chain norm) in mtp.safetensors, nothing else there, the
+    main tensors in model-*.safetensors, an index listing every tensor; it loads back bit-equal."""
+    everything = _names(export_checkpoint(model, tmp_path / "plain") / SINGLE_FILE)
+    out = export_checkpoint(model, tmp_path / "ckpt", mtp_file=True, max_shard_bytes=max_shard_bytes)
+    mtp_names = _names(out / "mtp.safetensors")
+    assert mtp_names == {n for n in everything if n.startswith("model.mtp.")}
+    assert "model.mtp.chain_norm.weight" in mtp_names and any(".layers.2." in n for n in mtp_names)
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert shards and (len(shards) > 1) == (max_shard_bytes is not None)
+    main_names = set().union(*(_names(out / shard) for shard in shards))
+    assert not main_names & mtp_names and main_names | mtp_names == everything
+    weight_map = json.loads((out / INDEX_FILE).read_text())["weight_map"]
+    assert {n for n, f in weight_map.items() if f == "mtp.safetensors"} == mtp_names
+    assert set(weight_map) == main_names | mtp_names and not (out / SINGLE_FILE).exists()
+
+    loaded, ckpt = load_model(out)
+    assert ckpt.layout == "release" and ckpt.side_files == [out / "mtp.safetensors"]
+    _assert_same_model(model, loaded)
+
+
+def test_export_mtp_file_without_depths(cfg, tmp_path):
+    torch.manual_seed(0)
+    plain = randomize_(InklingLM(cfg, mtp_depths=0), seed=3).eval()
+    out = export_checkpoint(plain, tmp_path / "ckpt", mtp_file=True)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", SINGLE_FILE]
+
+
 # --------------------------------------------------------------------------- read by HF
 def _hf_from_export(model, tmp_path, **kw):
     from transformers import InklingForConditionalGeneration
 
     # the release config carries the towers' configs; an export passes them through extra_config
-    out = export_checkpoint(model, tmp_path / "for_hf",
-                            extra_config={"vision_config": dict(TINY_VISION), "audio_config": dict(TINY_AUDIO)},
-                            **kw)
+    out = export_checkpoint(
+        model,
+        tmp_path / "for_hf",
+        extra_config={"vision_config": dict(TINY_VISION), "audio_config": dict(TINY_AUDIO)},
+        **kw,
+    )
     hf = InklingForConditionalGeneration.from_pretrained(str(out), dtype=torch.float32).eval()
     return hf, out
 
@@ -196,12 +244,15 @@ def test_hf_reads_exported_checkpoint(model, tmp_path, sharded):
     assert (theirs - ours).abs().max() <= 1e-4
 
 
-def test_hf_mtp_model_reads_exported_depths(model, tmp_path):
+@pytest.mark.parametrize("mtp_file", [False, True])
+def test_hf_mtp_model_reads_exported_depths(model, tmp_path, mtp_file):
     """HF's MtpModel.from_pretrained reads the exported model.mtp.* tensors (release names,
-    interleaved w13 in the depth blocks); with HF's raw-embedding convention the chains agree."""
+    interleaved w13 in the depth blocks), also from mtp.safetensors through the index; with HF's
+    raw-embedding convention the chains agree."""
     from transformers.modeling_layers import MtpModel
 
-    hf, _ = _hf_from_export(model, tmp_path)
+    hf, out = _hf_from_export(model, tmp_path, mtp_file=mtp_file)
+    assert (out / "mtp.safetensors").is_file() == mtp_file
     mtp = MtpModel.from_pretrained(hf).float().eval()
     assert len(mtp.layers) == model.num_mtp_depths and mtp.use_shared_post_norm
 
@@ -217,7 +268,7 @@ def test_hf_mtp_model_reads_exported_depths(model, tmp_path):
         g = h
         for d in range(model.num_mtp_depths):
             L = length - d - 1
-            g = mtp.forward_layer(d, g[:, :L], torch.arange(L).expand(B, L), None, input_ids=ids[:, d + 1:])
+            g = mtp.forward_layer(d, g[:, :L], torch.arange(L).expand(B, L), None, input_ids=ids[:, d + 1 :])
             assert g.abs().max() > 0.5
             assert (g - ours[d][:, :L]).abs().max() <= 1e-4, f"depth {d}"
             assert (mtp._project_to_logits(g) - raw.logits(ours[d][:, :L])).abs().max() <= 1e-4

@@ -1,7 +1,7 @@
 """Numerical parity with Hugging Face transformers 5.23 (the project's reference), fp32 on CPU.
 
 * Backbone: HF ``InklingForCausalLM`` / ``InklingForConditionalGeneration`` saved with
-  ``save_pretrained`` (HF names resp. the release layout) -> ``inkfw.checkpoint.load_model`` ->
+  ``save_pretrained`` (HF names resp. the release layout) -> ``inkfw.models.inkling.checkpoint.load_model`` ->
   same logits, over sequences longer than the sliding window and the relative-bias extent.
 * MTP: HF ``MtpModel`` (embedding source ``raw``, as HF 5.23 feeds it) -> inkfw ``mtp_chain``.
 * MTP vs a plain-torch restatement of design §2 (embedding source ``backbone_norm``).
@@ -14,12 +14,6 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
-
-from helpers.models import tiny_config
-from inkfw.checkpoint import load_model
-from inkfw.models.inkling.config import MtpConfig
-from inkfw.models.inkling.model import InklingLM
 from reference.hf import (
     build_hf_causal_lm,
     build_hf_mm_model,
@@ -27,6 +21,12 @@ from reference.hf import (
     hf_mtp_tensors,
     save_hf,
 )
+from safetensors.torch import load_file, save_file
+
+from helpers.models import tiny_config
+from inkfw.models.inkling.checkpoint import load_model
+from inkfw.models.inkling.config import MtpConfig
+from inkfw.models.inkling.model import InklingLM
 
 ATOL = 1e-4
 B, T = 2, 40  # T > sliding_window (8) and > rel_extent (16) in every config below
@@ -36,15 +36,41 @@ CONFIGS = {
     # local+dense, local+MoE, global+MoE with log scaling, local+MoE; GQA in both kinds
     "mixed": dict(),
     # log scaling off; two global layers (MHA) around one local; two dense layers then MoE
-    "no_log_scaling": dict(num_layers=3, local_layer_ids=[1], log_scaling_n_floor=None, num_kv_heads=4,
-                           swa_num_kv_heads=2, dense_mlp_idx=2, num_experts_per_tok=3, n_shared_experts=1),
+    "no_log_scaling": dict(
+        num_layers=3,
+        local_layer_ids=[1],
+        log_scaling_n_floor=None,
+        num_kv_heads=4,
+        swa_num_kv_heads=2,
+        dense_mlp_idx=2,
+        num_experts_per_tok=3,
+        n_shared_experts=1,
+    ),
     # every layer local and MoE; wider local heads, kernel 3, no padded vocab
-    "all_local_moe": dict(num_layers=2, local_layer_ids=[0, 1], dense_mlp_idx=0, swa_head_dim=16,
-                          swa_num_heads=2, swa_num_kv_heads=2, d_rel=2, conv_kernel_size=3,
-                          unpadded_vocab_size=None, n_routed_experts=4),
+    "all_local_moe": dict(
+        num_layers=2,
+        local_layer_ids=[0, 1],
+        dense_mlp_idx=0,
+        swa_head_dim=16,
+        swa_num_heads=2,
+        swa_num_kv_heads=2,
+        d_rel=2,
+        conv_kernel_size=3,
+        unpadded_vocab_size=None,
+        n_routed_experts=4,
+    ),
     # every layer dense; global layers with strong log scaling from position 1 on
-    "all_dense_global": dict(num_layers=3, local_layer_ids=[1], dense_mlp_idx=3, log_scaling_n_floor=1,
-                             log_scaling_alpha=0.5, rel_extent=12, num_heads=8, num_kv_heads=2, head_dim=4),
+    "all_dense_global": dict(
+        num_layers=3,
+        local_layer_ids=[1],
+        dense_mlp_idx=3,
+        log_scaling_n_floor=1,
+        log_scaling_alpha=0.5,
+        rel_extent=12,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=4,
+    ),
 }
 
 
@@ -111,13 +137,16 @@ def test_conditional_generation_release_layout_parity(tmp_path, name):
     _check_logits(ours, theirs, cfg)
 
 
-@pytest.mark.parametrize("param", [
-    "backbone.layers.0.attn.rel_bias.table",        # local layer bias
-    "backbone.layers.2.attn.rel_bias.table",        # global layer bias (beyond the window)
-    "backbone.layers.1.mlp.router.score_bias",      # routing choice only
-    "backbone.layers.3.attn.k_sconv.weight",
-    "backbone.layers.0.mlp.gate_up",                 # gate/up order
-])
+@pytest.mark.parametrize(
+    "param",
+    [
+        "backbone.layers.0.attn.rel_bias.table",  # local layer bias
+        "backbone.layers.2.attn.rel_bias.table",  # global layer bias (beyond the window)
+        "backbone.layers.1.mlp.router.score_bias",  # routing choice only
+        "backbone.layers.3.attn.k_sconv.weight",
+        "backbone.layers.0.mlp.gate_up",  # gate/up order
+    ],
+)
 def test_parity_check_is_sensitive(tmp_path, param):
     """The parity bound would catch a mistake in each of these tensors."""
     torch.manual_seed(0)
@@ -163,12 +192,20 @@ def _hf_forward_layer_windowed(mtp, depth: int, hidden, positions, token_ids):
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     embeds = mtp.embed_tokens(token_ids)
-    kw = dict(config=mtp.config, inputs_embeds=embeds, attention_mask=None, past_key_values=None,
-              position_ids=positions)
+    kw = dict(
+        config=mtp.config, inputs_embeds=embeds, attention_mask=None, past_key_values=None, position_ids=positions
+    )
     local = mtp.config.layer_types[depth] == "hybrid_sliding"
     mask = create_sliding_window_causal_mask(**kw) if local else create_causal_mask(**kw)
-    out = mtp.layers[depth](embeds, hidden, position_embeddings=None, attention_mask=mask,
-                            position_ids=positions, past_key_values=None, conv_mask=None)
+    out = mtp.layers[depth](
+        embeds,
+        hidden,
+        position_embeddings=None,
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=None,
+        conv_mask=None,
+    )
     return mtp.shared_post_norm(out) if mtp.use_shared_post_norm else out
 
 
@@ -190,8 +227,7 @@ def test_mtp_parity_with_hf_mtp_model(tmp_path, case):
     D = cfg.mtp.num_nextn_predict_layers
     hf, mtp, path = _mtp_checkpoint(tmp_path, cfg)
     assert mtp.use_shared_post_norm == cfg.mtp.chain_hidden_post_norm
-    assert mtp.config.layer_types == ["hybrid_sliding" if d in cfg.mtp.local_layer_ids else "hybrid"
-                                      for d in range(D)]
+    assert mtp.config.layer_types == ["hybrid_sliding" if d in cfg.mtp.local_layer_ids else "hybrid" for d in range(D)]
 
     model, ckpt = load_model(path, embed_source="raw")
     assert ckpt.layout == "hf" and model.num_mtp_depths == D
@@ -210,9 +246,9 @@ def test_mtp_parity_with_hf_mtp_model(tmp_path, case):
             L = length - d - 1
             positions = torch.arange(L).expand(B, L)
             if how == "forward_layer":
-                g = mtp.forward_layer(d, g[:, :L], positions, None, input_ids=ids[:, d + 1:])
+                g = mtp.forward_layer(d, g[:, :L], positions, None, input_ids=ids[:, d + 1 :])
             else:
-                g = _hf_forward_layer_windowed(mtp, d, g[:, :L], positions, ids[:, d + 1:])
+                g = _hf_forward_layer_windowed(mtp, d, g[:, :L], positions, ids[:, d + 1 :])
             assert g.shape == (B, L, cfg.hidden_size)
             assert g.abs().max() > 0.5
             diff = (ours[d][:, :L] - g).abs().max().item()
@@ -274,7 +310,7 @@ def _reference_chain(model: InklingLM, hidden: torch.Tensor, ids: torch.Tensor, 
     for d in range(model.num_mtp_depths):
         depth = model.mtp.depths[d]
         L = length - d - 1
-        tokens = ids[:, d + 1:]  # x[t+d+1] for t = 0..L-1
+        tokens = ids[:, d + 1 :]  # x[t+d+1] for t = 0..L-1
         e = E[tokens]
         if embed_source == "backbone_norm":
             e = _rms(e, model.backbone.embed_norm.weight, eps)
@@ -299,9 +335,10 @@ def _check_against_reference(model: InklingLM, ids: torch.Tensor) -> list[torch.
         L = rg.shape[1]
         assert g.shape == (ids.shape[0], ids.shape[1], model.cfg.hidden_size)
         assert rg.abs().max() > 0.5
-        torch.testing.assert_close(g[:, :L], rg, atol=1e-5, rtol=0, msg=lambda m: f"depth {d}: {m}")
-        torch.testing.assert_close(model.logits(g[:, :L]), rlogits, atol=1e-5, rtol=0,
-                                   msg=lambda m: f"depth {d} logits: {m}")
+        torch.testing.assert_close(g[:, :L], rg, atol=1e-5, rtol=0, msg=lambda m, d=d: f"depth {d}: {m}")
+        torch.testing.assert_close(
+            model.logits(g[:, :L]), rlogits, atol=1e-5, rtol=0, msg=lambda m, d=d: f"depth {d} logits: {m}"
+        )
     return ours
 
 

@@ -10,11 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers.models import randomize_, tiny_config
 from inkfw.errors import ConfigError
 from inkfw.models.inkling.layers import Attention, DenseMLP, MoE, RelativeBias, RMSNorm, Router, ShortConv
 from inkfw.models.inkling.model import InklingLM
-
-from helpers.models import randomize_, tiny_config
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -237,7 +236,7 @@ def ref_weights(router: Router, x: torch.Tensor, ids: torch.Tensor) -> tuple[tor
     E = router.num_routed
     s = torch.cat([logits[:, :E].gather(1, ids), logits[:, E:]], 1).sigmoid()
     w = s / s.sum(1, keepdim=True) * router.route_scale * router.global_scale
-    return w[:, : ids.shape[1]], w[:, ids.shape[1]:]
+    return w[:, : ids.shape[1]], w[:, ids.shape[1] :]
 
 
 def as_dict(ids: torch.Tensor, w: torch.Tensor) -> list[dict[int, float]]:
@@ -263,7 +262,7 @@ def test_router_choice_is_topk_with_bias(router, cfg):
     rw, rg = ref_weights(router, x, ids)
     torch.testing.assert_close(w, rw, **TOL)
     torch.testing.assert_close(gammas, rg, **TOL)
-    total = (w.sum(1) + gammas.sum(1))
+    total = w.sum(1) + gammas.sum(1)
     torch.testing.assert_close(total, torch.full((16,), cfg.route_scale * 1.3), **TOL)
 
 
@@ -274,7 +273,7 @@ def test_router_bias_steers_choice_not_weights(router, cfg):
         ids0, w0, g0 = router(x)
         # a bias that favours the last k experts over everything: the choice changes ...
         router.score_bias.copy_(torch.zeros(E))
-        router.score_bias[E - k:] = 10.0
+        router.score_bias[E - k :] = 10.0
         ids1, w1, g1 = router(x)
         assert all(set(r.tolist()) == set(range(E - k, E)) for r in ids1)
         assert [set(r.tolist()) for r in ids0] != [set(r.tolist()) for r in ids1]
@@ -283,7 +282,7 @@ def test_router_bias_steers_choice_not_weights(router, cfg):
         torch.testing.assert_close(w1, rw, **TOL)
         torch.testing.assert_close(g1, rg, **TOL)
         # a different bias that leaves the choice as it is leaves the weights as they are
-        router.score_bias[E - k:] = 3.0
+        router.score_bias[E - k :] = 3.0
         router.score_bias[: E - k] = -0.5
         ids2, w2, g2 = router(x)
     assert_same_weights(ids1, w1, ids2, w2)
@@ -304,10 +303,10 @@ def test_router_bias_is_not_in_the_weights_per_token(router, cfg):
 
 def ref_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     ids, w, gammas = moe.router(x)
-    I = moe.experts_down.shape[-1]
+    width = moe.experts_down.shape[-1]  # intermediate size
 
     def expert(gate_up, down, v):
-        gate, up = gate_up[:I] @ v, gate_up[I:] @ v
+        gate, up = gate_up[:width] @ v, gate_up[width:] @ v
         return down @ (F.silu(gate) * up)
 
     out = torch.zeros_like(x)
@@ -334,8 +333,8 @@ def test_dense_mlp(model, cfg):
     mlp = model.backbone.layers[0].mlp
     assert isinstance(mlp, DenseMLP)
     x = randn(5, cfg.hidden_size, seed=18)
-    I = cfg.intermediate_size
-    want = (F.silu(x @ mlp.gate_up[:I].T) * (x @ mlp.gate_up[I:].T)) @ mlp.down.T * mlp.global_scale
+    width = cfg.intermediate_size
+    want = (F.silu(x @ mlp.gate_up[:width].T) * (x @ mlp.gate_up[width:].T)) @ mlp.down.T * mlp.global_scale
     torch.testing.assert_close(mlp(x), want, **TOL)
 
 
@@ -353,13 +352,13 @@ def test_causality(model):
     T, t = 14, 6
     ids = ids_of(2, T, seed=19)
     other = ids.clone()
-    other[:, t + 1:] = ids_of(2, T - t - 1, seed=20)
-    assert (other[:, t + 1:] != ids[:, t + 1:]).any()
+    other[:, t + 1 :] = ids_of(2, T - t - 1, seed=20)
+    assert (other[:, t + 1 :] != ids[:, t + 1 :]).any()
     with torch.no_grad():
         a, b = model.logits(model(ids)), model.logits(model(other))
     # equal up to rounding: the MoE groups tokens per expert, so batch composition moves the last bit
     torch.testing.assert_close(a[:, : t + 1], b[:, : t + 1], **TOL)
-    assert not torch.allclose(a[:, t + 1:], b[:, t + 1:], atol=1e-3)
+    assert not torch.allclose(a[:, t + 1 :], b[:, t + 1 :], atol=1e-3)
 
 
 def test_mtp_chain_causality(model):
@@ -371,7 +370,7 @@ def test_mtp_chain_causality(model):
         for d in range(3):
             cut = t + d + 1  # last token depth d may read at position t
             other = ids.clone()
-            other[:, cut + 1:] = (ids[:, cut + 1:] + 1) % 90
+            other[:, cut + 1 :] = (ids[:, cut + 1 :] + 1) % 90
             got = model.mtp_chain(model(other), other)
             torch.testing.assert_close(got[d][:, : t + 1], base[d][:, : t + 1], **TOL)
             other = ids.clone()
@@ -389,7 +388,7 @@ def test_mtp_chain_is_the_spec(model, cfg):
         chain = model.mtp_chain(h, ids)
         g = h
         for d, depth in enumerate(model.mtp.depths):
-            nxt = F.pad(ids[:, d + 1:], (0, d + 1))
+            nxt = F.pad(ids[:, d + 1 :], (0, d + 1))
             e = model.backbone.embed_norm(model.backbone.embed(nxt))
             z = depth.input_proj(torch.cat([depth.hidden_norm(g), depth.embed_norm(e)], -1))
             g = model.mtp.chain_norm(depth.block(z, torch.arange(10)[None], None))
@@ -405,8 +404,11 @@ def test_mtp_embed_source(cfg):
     with torch.no_grad():
         torch.testing.assert_close(a.mtp_embed(ids), a.backbone.embed_norm(a.backbone.embed(ids)))
         torch.testing.assert_close(b.mtp_embed(ids), a.backbone.embed(ids))
-        assert not torch.allclose(a.mtp_step(0, a(ids), ids, torch.arange(5)[None]),
-                                  b.mtp_step(0, b(ids), ids, torch.arange(5)[None]), atol=1e-4)
+        assert not torch.allclose(
+            a.mtp_step(0, a(ids), ids, torch.arange(5)[None]),
+            b.mtp_step(0, b(ids), ids, torch.arange(5)[None]),
+            atol=1e-4,
+        )
     with pytest.raises(ConfigError, match="embed_source"):
         InklingLM(cfg, embed_source="normed")
 

@@ -17,8 +17,9 @@ from torch import nn
 from inkfw.models.inkling.config import InklingConfig
 
 # tiny multimodal towers: HF builds them for InklingForConditionalGeneration, inkfw skips them
-TINY_VISION = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, patch_size=4,
-                   temporal_patch_size=2, num_channels=3)
+TINY_VISION = dict(
+    hidden_size=16, num_hidden_layers=2, num_attention_heads=2, patch_size=4, temporal_patch_size=2, num_channels=3
+)
 TINY_AUDIO = dict(n_mel_bins=4, mel_vocab_size=8)
 
 
@@ -49,9 +50,11 @@ def hf_mm_dict(cfg: InklingConfig) -> dict[str, Any]:
         text_config=hf_text_dict(cfg, with_mtp=False),
         vision_config=dict(TINY_VISION),
         audio_config=dict(TINY_AUDIO),
-        mtp_config=dict(num_nextn_predict_layers=cfg.mtp.num_nextn_predict_layers,
-                        chain_hidden_post_norm=cfg.mtp.chain_hidden_post_norm,
-                        local_layer_ids=list(cfg.mtp.local_layer_ids)),
+        mtp_config=dict(
+            num_nextn_predict_layers=cfg.mtp.num_nextn_predict_layers,
+            chain_hidden_post_norm=cfg.mtp.chain_hidden_post_norm,
+            local_layer_ids=list(cfg.mtp.local_layer_ids),
+        ),
     )
 
 
@@ -65,8 +68,9 @@ def hf_mm_config(cfg: InklingConfig, attn_implementation: str | None = None):
 
 
 @torch.no_grad()
-def randomize_hf_(module: nn.Module, seed: int = 0, lm_head: nn.Linear | None = None,
-                  mup: float | None = None) -> nn.Module:
+def randomize_hf_(
+    module: nn.Module, seed: int = 0, lm_head: nn.Linear | None = None, mup: float | None = None
+) -> nn.Module:
     """Sizeable random weights for every HF Inkling parameter and persistent buffer.
 
     Norm weights ~ 1 +- 0.2, short convs std 0.4, relative-bias banks std 0.5, router weight
@@ -126,8 +130,9 @@ def randomize_hf_lm_(model: nn.Module, seed: int = 0) -> nn.Module:
     return randomize_hf_(model, seed, lm_head=model.lm_head, mup=text.logits_mup_width_multiplier)
 
 
-def build_hf_causal_lm(cfg: InklingConfig, seed: int = 0, with_mtp: bool = False,
-                       attn_implementation: str | None = None):
+def build_hf_causal_lm(
+    cfg: InklingConfig, seed: int = 0, with_mtp: bool = False, attn_implementation: str | None = None
+):
     """A randomised HF ``InklingForCausalLM`` (fp32, eval) equivalent to ``cfg``."""
     from transformers import InklingForCausalLM
 

@@ -21,8 +21,14 @@ from typing import Any
 from inkfw.errors import ConfigError
 
 MODEL_TYPES = ("inkling_mm_model", "inkling_model", "inkling_text")
-TEXT_ONLY_VISION_CONFIG = {"model_type": "inkling_vision", "hidden_size": 16, "n_layers": 2,
-                           "num_attention_heads": 2, "patch_size": 4, "temporal_patch_size": 2}
+TEXT_ONLY_VISION_CONFIG = {
+    "model_type": "inkling_vision",
+    "hidden_size": 16,
+    "n_layers": 2,
+    "num_attention_heads": 2,
+    "patch_size": 4,
+    "temporal_patch_size": 2,
+}
 TEXT_ONLY_AUDIO_CONFIG = {"model_type": "inkling_audio", "n_mel_bins": 4, "mel_vocab_size": 8}
 
 
@@ -92,7 +98,7 @@ class InklingConfig:
         return min(self.vocab_size, self.unpadded_vocab_size)
 
     def is_local(self, layer_idx: int) -> bool:
-        return layer_idx in self.local_layer_ids
+        return layer_idx in (self.local_layer_ids or ())
 
     def is_moe(self, layer_idx: int) -> bool:
         return layer_idx >= self.dense_mlp_idx
@@ -110,30 +116,59 @@ class InklingConfig:
             if not cond:
                 raise ConfigError(msg)
 
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                     "swa_num_heads", "swa_num_kv_heads", "swa_head_dim", "sliding_window", "d_rel",
-                     "rel_extent", "intermediate_size", "conv_kernel_size"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "swa_num_heads",
+            "swa_num_kv_heads",
+            "swa_head_dim",
+            "sliding_window",
+            "d_rel",
+            "rel_extent",
+            "intermediate_size",
+            "conv_kernel_size",
+        ):
             need(int(getattr(self, name)) >= 1, f"model config: {name} must be >= 1, got {getattr(self, name)}.")
-        need(self.num_heads % self.num_kv_heads == 0,
-             f"model config: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads}).")
-        need(self.swa_num_heads % self.swa_num_kv_heads == 0,
-             f"model config: swa_num_heads ({self.swa_num_heads}) must be a multiple of swa_num_kv_heads "
-             f"({self.swa_num_kv_heads}).")
-        need(all(0 <= i < self.num_layers for i in self.local_layer_ids),
-             f"model config: local_layer_ids {self.local_layer_ids} must lie in [0, {self.num_layers}).")
-        need(0 <= self.dense_mlp_idx <= self.num_layers,
-             f"model config: dense_mlp_idx must lie in [0, {self.num_layers}], got {self.dense_mlp_idx}.")
+        need(
+            self.num_heads % self.num_kv_heads == 0,
+            f"model config: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads}).",
+        )
+        need(
+            self.swa_num_heads % self.swa_num_kv_heads == 0,
+            f"model config: swa_num_heads ({self.swa_num_heads}) must be a multiple of swa_num_kv_heads "
+            f"({self.swa_num_kv_heads}).",
+        )
+        need(
+            all(0 <= i < self.num_layers for i in self.local_layer_ids or ()),
+            f"model config: local_layer_ids {self.local_layer_ids} must lie in [0, {self.num_layers}).",
+        )
+        need(
+            0 <= self.dense_mlp_idx <= self.num_layers,
+            f"model config: dense_mlp_idx must lie in [0, {self.num_layers}], got {self.dense_mlp_idx}.",
+        )
         if self.dense_mlp_idx < self.num_layers:
-            need(self.n_routed_experts >= 1 and self.moe_intermediate_size >= 1,
-                 "model config: MoE layers need n_routed_experts >= 1 and moe_intermediate_size >= 1.")
-            need(1 <= self.num_experts_per_tok <= self.n_routed_experts,
-                 f"model config: num_experts_per_tok must lie in [1, n_routed_experts={self.n_routed_experts}], "
-                 f"got {self.num_experts_per_tok}.")
+            need(
+                self.n_routed_experts >= 1 and self.moe_intermediate_size >= 1,
+                "model config: MoE layers need n_routed_experts >= 1 and moe_intermediate_size >= 1.",
+            )
+            need(
+                1 <= self.num_experts_per_tok <= self.n_routed_experts,
+                f"model config: num_experts_per_tok must lie in [1, n_routed_experts={self.n_routed_experts}], "
+                f"got {self.num_experts_per_tok}.",
+            )
             need(self.n_shared_experts >= 1, "model config: Inkling MoE layers need n_shared_experts >= 1.")
-        need(self.mtp.num_nextn_predict_layers >= 0,
-             f"model config: mtp_config.num_nextn_predict_layers must be >= 0, got {self.mtp.num_nextn_predict_layers}.")
-        need(self.unpadded_vocab_size is None or self.unpadded_vocab_size >= 1,
-             "model config: unpadded_vocab_size must be >= 1.")
+        need(
+            self.mtp.num_nextn_predict_layers >= 0,
+            f"model config: mtp_config.num_nextn_predict_layers must be >= 0, got {self.mtp.num_nextn_predict_layers}.",
+        )
+        need(
+            self.unpadded_vocab_size is None or self.unpadded_vocab_size >= 1,
+            "model config: unpadded_vocab_size must be >= 1.",
+        )
 
     def mtp_depths_to_build(self, requested: int | None, source: str) -> int:
         """Depths to build: all that ship (``requested`` None) or ``requested``, which may not
@@ -143,8 +178,10 @@ class InklingConfig:
         if depths < 0:
             raise ConfigError(f"mtp.depths must be >= 0, got {depths}.")
         if depths > shipped:
-            raise ConfigError(f"{source}: mtp.depths={depths} but it ships {shipped} MTP depth(s); train more with "
-                              f"`python scripts/train.py task=mtp mtp.depths={depths} mtp.train_from={shipped}`.")
+            raise ConfigError(
+                f"{source}: mtp.depths={depths} but it ships {shipped} MTP depth(s); train more with "
+                f"`python scripts/train.py task=mtp mtp.depths={depths} mtp.train_from={shipped}`."
+            )
         return depths
 
     def with_mtp_depths(self, depths: int) -> InklingConfig:
@@ -168,9 +205,7 @@ class InklingConfig:
     def _from_dict(cls, raw: dict[str, Any], source: str) -> InklingConfig:
         model_type = raw.get("model_type")
         if model_type not in MODEL_TYPES:
-            raise ConfigError(
-                f"{source}: unknown model_type {model_type!r}; inkfw reads {', '.join(MODEL_TYPES)}."
-            )
+            raise ConfigError(f"{source}: unknown model_type {model_type!r}; inkfw reads {', '.join(MODEL_TYPES)}.")
         if model_type == "inkling_mm_model":
             text = raw.get("text_config")
             if not isinstance(text, dict):
@@ -181,10 +216,10 @@ class InklingConfig:
         if not isinstance(mtp_raw, dict):
             raise ConfigError(f"{source}: mtp_config must be an object.")
         mtp = MtpConfig(
-            num_nextn_predict_layers=int(
-                mtp_raw.get("num_nextn_predict_layers", text.get("num_mtp_layers") or 0) or 0),
+            num_nextn_predict_layers=int(mtp_raw.get("num_nextn_predict_layers", text.get("num_mtp_layers") or 0) or 0),
             chain_hidden_post_norm=bool(
-                mtp_raw.get("chain_hidden_post_norm", text.get("chain_hidden_post_norm", False))),
+                mtp_raw.get("chain_hidden_post_norm", text.get("chain_hidden_post_norm", False))
+            ),
             local_layer_ids=list(mtp_raw.get("local_layer_ids", text.get("mtp_local_layer_ids")) or []),
         )
         return cls._from_text_dict(text, mtp, source)
@@ -285,7 +320,7 @@ class InklingConfig:
             "swa_num_key_value_heads": self.swa_num_kv_heads,
             "swa_head_dim": self.swa_head_dim,
             "sliding_window_size": self.sliding_window,
-            "local_layer_ids": list(self.local_layer_ids),
+            "local_layer_ids": list(self.local_layer_ids or ()),
             "d_rel": self.d_rel,
             "log_scaling_n_floor": self.log_scaling_n_floor,
             "log_scaling_alpha": self.log_scaling_alpha,
@@ -313,8 +348,9 @@ class InklingConfig:
         ``extra`` carries top-level keys of a source config (vision/audio configs, token ids)
         through an export unchanged.
         """
-        out: dict[str, Any] = {k: v for k, v in (extra or {}).items()
-                               if k not in ("text_config", "mtp_config", "model_type")}
+        out: dict[str, Any] = {
+            k: v for k, v in (extra or {}).items() if k not in ("text_config", "mtp_config", "model_type")
+        }
         out["model_type"] = "inkling_mm_model"
         out.setdefault("architectures", ["InklingForConditionalGeneration"])
         # inkfw serves the text backbone only; a checkpoint it creates has no towers. Minimal tower
@@ -322,5 +358,14 @@ class InklingConfig:
         out.setdefault("vision_config", dict(TEXT_ONLY_VISION_CONFIG))
         out.setdefault("audio_config", dict(TEXT_ONLY_AUDIO_CONFIG))
         out["text_config"] = self.to_text_dict()
+        # the release dialect's names for what every Inkling has; vLLM's Inkling config reads them
+        # with other defaults (tests/fixtures/vllm_inkling_loader.json). inkfw reads dense_mlp_idx only.
+        out["text_config"].update(
+            dense_mlp_idx=self.dense_mlp_idx,
+            use_global_scale=True,
+            use_gate_bias=True,
+            shared_expert_sink=True,
+            use_sconv=True,
+        )
         out["mtp_config"] = dataclasses.asdict(self.mtp)
         return out

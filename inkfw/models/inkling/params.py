@@ -1,4 +1,4 @@
-"""Parameter counts of a model built on the meta device (no memory), backbone and MTP apart."""
+"""Parameter counts of an Inkling model built on the meta device (no memory), backbone and MTP apart."""
 
 from __future__ import annotations
 
@@ -37,23 +37,3 @@ def count_parameters(cfg: InklingConfig, mtp_depths: int | None = None) -> dict[
     out = {"backbone": _count([model.backbone, model.unembed], cfg)}
     out["mtp"] = _count([model.mtp], cfg) if model.mtp is not None else ParamCount(0, 0)
     return out
-
-
-def report_parameters(cfg) -> dict[str, ParamCount]:
-    """Entry point of ``scripts/count_params.py``: a rich table of the counts."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from inkfw.presets import model_config
-
-    model_cfg = model_config(cfg.model)
-    num_depths = model_cfg.mtp.num_nextn_predict_layers if cfg.mtp.depths is None else int(cfg.mtp.depths)
-    counts = count_parameters(model_cfg, num_depths)
-    table = Table(title=f"parameters of {cfg.model.name}")
-    for col in ("part", "total", "active / token"):
-        table.add_column(col, justify="right" if col != "part" else "left")
-    for part, c in counts.items():
-        label = part if part != "mtp" else f"mtp ({num_depths} depths)"
-        table.add_row(label, f"{c.total:,} ({c.total / 1e9:.2f}B)", f"{c.active:,} ({c.active / 1e9:.2f}B)")
-    Console().print(table)
-    return counts
