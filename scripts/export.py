@@ -1,4 +1,4 @@
-"""Export a training checkpoint (Lightning .ckpt) in the release layout."""
+"""Export a training checkpoint (Lightning .ckpt) in the release layout; the checkpoint holds the run's config."""
 
 import hydra
 from omegaconf import DictConfig

@@ -3,7 +3,8 @@
 import hydra
 from omegaconf import DictConfig
 
-from inkfw.cli import run_user_command
+from inkfw.cli import check_group_choices, run_user_command
+from inkfw.paths import config_dir
 from inkfw.train.run import run_train
 
 
@@ -13,4 +14,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_group_choices(config_dir())
     main()

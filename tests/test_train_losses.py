@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers.models import randomize_, tiny_config
 from inkfw.errors import ConfigError
 from inkfw.models.inkling.model import InklingLM
 from inkfw.train.losses import depth_weights, mtp_losses, target_mask
-from helpers.models import randomize_, tiny_config
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,14 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SIL
 
 
 def _run(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], cwd=cwd, env=ENV,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / script), *args],
+        cwd=cwd,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +32,14 @@ def pretrained(tmp_path_factory):
     tok = tmp / "tokenizer.json"
     r = _run("train_tokenizer.py", "vocab_size=400", f"out={tok}", "max_documents=40", cwd=tmp)
     assert r.returncode == 0, r.stderr
-    r = _run("train.py", "experiment=debug-pretrain", f"data.tokenizer={tok}", f"output_dir={tmp}/pre",
-             "checkpoint_every=2", cwd=tmp)
+    r = _run(
+        "train.py",
+        "experiment=debug-pretrain",
+        f"data.tokenizer={tok}",
+        f"output_dir={tmp}/pre",
+        "checkpoint_every=2",
+        cwd=tmp,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return tmp
 
@@ -40,35 +52,75 @@ def test_pretrain_exports_a_checkpoint_that_infer_loads(pretrained):
     runs = list((pretrained / "pre" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1, "no offline W&B run"
     data = runs[0].read_bytes()
-    for key in ("train/loss", "train/lr", "train/lm_ce", "train/depth0/agreement", "train/depth3/ce",
-                "train/simulated_acceptance_length", "train/tokens_per_s", "val/loss", "val/depth0/agreement",
-                "val/engine_acceptance_length"):
+    for key in (
+        "train/loss",
+        "train/lr",
+        "train/lm_ce",
+        "train/depth0/agreement",
+        "train/depth3/ce",
+        "train/simulated_acceptance_length",
+        "train/tokens_per_s",
+        "val/loss",
+        "val/depth0/agreement",
+        "val/engine_acceptance_length",
+    ):
         assert key.encode() in data, key
     out = pretrained / "infer.json"
-    r = _run("infer.py", "model=inkling", f"model.path={export}", 'prompt="def f():"', "max_new_tokens=4",
-             f"output.json={out}", f"hydra.run.dir={pretrained}/h", cwd=pretrained)
+    r = _run(
+        "infer.py",
+        "model=inkling",
+        f"model.path={export}",
+        'prompt="def f():"',
+        "max_new_tokens=4",
+        f"output.json={out}",
+        f"hydra.run.dir={pretrained}/h",
+        cwd=pretrained,
+    )
     assert r.returncode == 0, r.stderr
     assert len(json.loads(out.read_text())["requests"][0]["token_ids"]) == 4
 
 
 def test_mtp_task_adds_depths(pretrained):
     export = pretrained / "pre" / "export"
-    r = _run("train.py", "task=mtp", f"model.path={export}", "mtp.depths=6", "trainer.max_steps=2",
-             "data.seq_len=32", "data.batch_size=2", "data.max_documents=20", "logger=csv",
-             f"output_dir={pretrained}/mtp", cwd=pretrained)
+    r = _run(
+        "train.py",
+        "task=mtp",
+        f"model.path={export}",
+        "mtp.depths=6",
+        "trainer.max_steps=2",
+        "data.seq_len=32",
+        "data.batch_size=2",
+        "data.max_documents=20",
+        "logger=csv",
+        f"output_dir={pretrained}/mtp",
+        cwd=pretrained,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     cfg = json.loads((pretrained / "mtp" / "export" / "config.json").read_text())
     assert cfg["mtp_config"]["num_nextn_predict_layers"] == 6
 
 
-@pytest.mark.parametrize("args, message", [
-    (["mtp.train_from=6"], "train_from"),
-    (["data.sources=[/nonexistent/corpus]"], "does not exist"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["mtp.train_from=6"], "train_from"),
+        (["data.sources=[/nonexistent/corpus]"], "does not exist"),
+        (["task=finetune"], "unknown task 'finetune'"),
+        (["loss.objective=mse"], "loss.objective"),
+    ],
+)
 def test_bad_input_is_one_line(pretrained, args, message):
     export = pretrained / "pre" / "export"
-    r = _run("train.py", "task=mtp", f"model.path={export}", "mtp.depths=6", "logger=csv",
-             f"output_dir={pretrained}/bad", *args, cwd=pretrained)
+    r = _run(
+        "train.py",
+        "task=mtp",
+        f"model.path={export}",
+        "mtp.depths=6",
+        "logger=csv",
+        f"output_dir={pretrained}/bad",
+        *args,
+        cwd=pretrained,
+    )
     assert r.returncode == 2
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
@@ -78,30 +130,51 @@ def test_tokenizer_that_does_not_fit_is_rejected(pretrained, tmp_path):
     big = tmp_path / "big.json"
     assert _run("train_tokenizer.py", "vocab_size=700", f"out={big}", "max_documents=40", cwd=tmp_path).returncode == 0
     export = pretrained / "pre" / "export"
-    r = _run("train.py", "task=mtp", f"model.path={export}", f"data.tokenizer={big}", "logger=csv",
-             f"output_dir={tmp_path}/run", cwd=tmp_path)
+    r = _run(
+        "train.py",
+        "task=mtp",
+        f"model.path={export}",
+        f"data.tokenizer={big}",
+        "logger=csv",
+        f"output_dir={tmp_path}/run",
+        cwd=tmp_path,
+    )
     assert r.returncode == 2 and "tokenizer has" in r.stderr, r.stderr
 
 
 def test_export_on_demand_equals_the_end_of_training_export(pretrained):
     out = pretrained / "again"
-    r = _run("export.py", "experiment=debug-pretrain", f"data.tokenizer={pretrained / 'tokenizer.json'}",
-             f"output_dir={pretrained}/pre", f"ckpt_path={pretrained}/pre/checkpoints/last.ckpt", f"out={out}",
-             cwd=pretrained)
-    assert r.returncode == 0, r.stderr[-2000:]
+    r = _run("export.py", f"ckpt_path={pretrained}/pre/checkpoints/last.ckpt", f"out={out}", cwd=pretrained)
+    assert r.returncode == 0, r.stderr[-2000:]  # the checkpoint alone: its training config comes with it
     from safetensors.torch import load_file
 
-    a, b = load_file(out / "model.safetensors"), load_file(pretrained / "pre" / "export" / "model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    end = pretrained / "pre" / "export"
+    files = sorted(p.name for p in end.glob("*.safetensors"))
+    assert files and files == sorted(p.name for p in out.glob("*.safetensors"))
+    for name in files:
+        a, b = load_file(out / name), load_file(end / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    assert (out / "config.json").read_text() == (end / "config.json").read_text()
     assert (out / "tokenizer.json").is_file()
+    # Hydra's run dirs land under runs/ (git-ignored), none in the working directory itself
+    for script in ("export", "train_tokenizer"):
+        assert list((pretrained / "runs" / "hydra" / script).glob("*/.hydra/config.yaml")), script
+    assert not (pretrained / "outputs").exists()
 
 
 def test_resume_reproduces_the_uninterrupted_run(pretrained):
     """4 steps straight == 2 steps, checkpoint, resume for 2 more: the same weights, bit for bit."""
     mid = pretrained / "pre" / "checkpoints" / "step-2.ckpt"  # no '=' in names: Hydra overrides take them
     assert mid.is_file()
-    r = _run("train.py", "experiment=debug-pretrain", f"data.tokenizer={pretrained / 'tokenizer.json'}",
-             f"output_dir={pretrained}/resumed", f"ckpt_path={mid}", "logger=csv", cwd=pretrained)
+    r = _run(
+        "train.py",
+        "experiment=debug-pretrain",
+        f"data.tokenizer={pretrained / 'tokenizer.json'}",
+        f"output_dir={pretrained}/resumed",
+        f"ckpt_path={mid}",
+        "logger=csv",
+        cwd=pretrained,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     from safetensors.torch import load_file
 

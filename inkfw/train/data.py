@@ -65,7 +65,7 @@ def _jsonl_documents(path: Path) -> Iterable[Document]:
         except json.JSONDecodeError as exc:
             raise ConfigError(f"data: {path} line {i} is not valid JSON ({exc.msg}).") from exc
         if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-            raise ConfigError(f"data: {path} line {i} must be an object with a string field \"text\".")
+            raise ConfigError(f'data: {path} line {i} must be an object with a string field "text".')
         yield Document(f"{path}:{i}", row["text"])
 
 
@@ -81,8 +81,11 @@ def read_documents(sources: Sequence[str]) -> list[Document]:
         path = Path(source).expanduser()
         if not path.exists():
             raise ConfigError(f"data: source {source} does not exist.")
-        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()
-                                                     and p.suffix in TEXT_SUFFIXES)
+        files = (
+            [path]
+            if path.is_file()
+            else sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+        )
         for f in files:
             if f.suffix == ".jsonl":
                 docs.extend(_jsonl_documents(f))
@@ -100,7 +103,9 @@ def is_validation(doc: Document, val_fraction: float, seed: int = 0) -> bool:
     return int.from_bytes(digest, "little") / 2**64 < val_fraction
 
 
-def split_documents(docs: Sequence[Document], val_fraction: float, seed: int = 0) -> tuple[list[Document], list[Document]]:
+def split_documents(
+    docs: Sequence[Document], val_fraction: float, seed: int = 0
+) -> tuple[list[Document], list[Document]]:
     if not 0 <= val_fraction < 1:
         raise ConfigError(f"data.val_fraction must lie in [0, 1), got {val_fraction}.")
     train, val = [], []
@@ -127,8 +132,10 @@ def pack(token_lists: Iterable[Sequence[int]], seq_len: int, eos_id: int) -> tup
     if rows == 0:
         return torch.zeros(0, seq_len, dtype=torch.long), torch.zeros(0, seq_len, dtype=torch.long)
     n = rows * seq_len
-    return (torch.tensor(ids[:n], dtype=torch.long).view(rows, seq_len),
-            torch.tensor(docs[:n], dtype=torch.long).view(rows, seq_len))
+    return (
+        torch.tensor(ids[:n], dtype=torch.long).view(rows, seq_len),
+        torch.tensor(docs[:n], dtype=torch.long).view(rows, seq_len),
+    )
 
 
 def load_tokenizer(path: str | Path):
@@ -148,8 +155,15 @@ class ResumableLoader:
     batches served) goes into Lightning checkpoints, so a resumed run sees exactly the batches
     the uninterrupted run would have."""
 
-    def __init__(self, dataset: TensorDataset, batch_size: int, seed: int = 0, shuffle: bool = True,
-                 rank: int = 0, world_size: int = 1):
+    def __init__(
+        self,
+        dataset: TensorDataset,
+        batch_size: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
         self.dataset, self.batch_size, self.seed, self.shuffle = dataset, batch_size, seed, shuffle
         self.rank, self.world_size = rank, world_size
         self.epoch, self.position = 0, 0
@@ -159,11 +173,14 @@ class ResumableLoader:
 
     def __iter__(self):
         n = len(self.dataset)
-        order = (torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
-                 if self.shuffle else torch.arange(n))
-        mine = order[self.rank: len(self) * self.batch_size * self.world_size: self.world_size]
+        order = (
+            torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+            if self.shuffle
+            else torch.arange(n)
+        )
+        mine = order[self.rank : len(self) * self.batch_size * self.world_size : self.world_size]
         while self.position < len(self):
-            rows = mine[self.position * self.batch_size: (self.position + 1) * self.batch_size]
+            rows = mine[self.position * self.batch_size : (self.position + 1) * self.batch_size]
             self.position += 1
             yield tuple(t[rows] for t in self.dataset.tensors)
         self.epoch, self.position = self.epoch + 1, 0
@@ -176,13 +193,28 @@ class ResumableLoader:
 
 
 class TextDataModule(L.LightningDataModule):
-    """Packed rows ``(input_ids [T], doc_ids [T])`` of a deterministic train/validation split."""
+    """Packed rows ``(input_ids [T], doc_ids [T])`` of a deterministic train/validation split.
 
-    def __init__(self, sources: Sequence[str], tokenizer_path: str | Path, seq_len: int = 256,
-                 batch_size: int = 8, val_fraction: float = 0.02, seed: int = 0, eos_id: int = 2,
-                 vocab_size: int | None = None, max_documents: int | None = None, num_workers: int = 0):
+    The ``conf/data`` nodes target this class; ``scripts/train.py`` adds what the model decides
+    (``eos_id``, ``vocab_size``) and the checkpoint's tokenizer when ``tokenizer`` is null.
+    Nothing is read before :meth:`setup`.
+    """
+
+    def __init__(
+        self,
+        sources: Sequence[str],
+        tokenizer: str | Path | None = None,
+        seq_len: int = 256,
+        batch_size: int = 8,
+        val_fraction: float = 0.02,
+        seed: int = 0,
+        eos_id: int = 2,
+        vocab_size: int | None = None,
+        max_documents: int | None = None,
+        num_workers: int = 0,
+    ):
         super().__init__()
-        self.sources, self.tokenizer_path = list(sources), tokenizer_path
+        self.sources, self.tokenizer_path = list(sources), tokenizer
         self.seq_len, self.batch_size, self.val_fraction, self.seed = seq_len, batch_size, val_fraction, seed
         self.eos_id, self.vocab_size, self.max_documents = eos_id, vocab_size, max_documents
         self.num_workers = num_workers
@@ -192,10 +224,14 @@ class TextDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
+        if self.tokenizer_path is None:
+            raise ConfigError("data.tokenizer is not set; train one with scripts/train_tokenizer.py.")
         tokenizer = load_tokenizer(self.tokenizer_path)
         if self.vocab_size is not None and tokenizer.get_vocab_size() > self.vocab_size:
-            raise ConfigError(f"data: the tokenizer has {tokenizer.get_vocab_size()} tokens but the model's "
-                              f"vocabulary holds {self.vocab_size}; use the checkpoint's tokenizer.json.")
+            raise ConfigError(
+                f"data: the tokenizer has {tokenizer.get_vocab_size()} tokens but the model's "
+                f"vocabulary holds {self.vocab_size}; use the checkpoint's tokenizer.json."
+            )
         docs = read_documents(self.sources)
         if self.max_documents:
             docs = docs[: self.max_documents]
@@ -207,20 +243,28 @@ class TextDataModule(L.LightningDataModule):
             sets.append(TensorDataset(ids, doc))
         self.train_set, self.val_set = sets
         if len(self.train_set) < 1:
-            raise ConfigError(f"data: the training split holds fewer than {self.seq_len} tokens; add data or "
-                              f"lower data.seq_len.")
+            raise ConfigError(
+                f"data: the training split holds fewer than {self.seq_len} tokens; add data or lower data.seq_len."
+            )
+
+    def _split(self, name: str) -> TensorDataset:
+        split = self.train_set if name == "train" else self.val_set
+        if split is None:
+            raise RuntimeError("setup() must run before the data loaders are asked for.")
+        return split
 
     def train_dataloader(self) -> ResumableLoader:
         trainer = getattr(self, "trainer", None)
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
-        return ResumableLoader(self.train_set, self.batch_size, self.seed, rank=rank, world_size=world)
+        return ResumableLoader(self._split("train"), self.batch_size, self.seed, rank=rank, world_size=world)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
+        return DataLoader(self._split("val"), batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
 
 
-def heldout_prompts(sources: Sequence[str], val_fraction: float, seed: int, num_prompts: int,
-                    prompt_chars: int) -> list[dict[str, str]]:
+def heldout_prompts(
+    sources: Sequence[str], val_fraction: float, seed: int, num_prompts: int, prompt_chars: int
+) -> list[dict[str, str]]:
     """``{"prompt": text}`` rows cut from validation documents only (never seen in training):
     the first ``prompt_chars`` characters of the first ``num_prompts`` validation documents
     that are at least twice that long."""
@@ -233,8 +277,9 @@ def heldout_prompts(sources: Sequence[str], val_fraction: float, seed: int, num_
 
 def write_heldout_prompts(cfg) -> Path:
     """``scripts/heldout_prompts.py``: held-out prompts as JSON lines, from ``conf/heldout_prompts.yaml``."""
-    rows = heldout_prompts(list(cfg.sources), float(cfg.val_fraction), int(cfg.seed), int(cfg.num_prompts),
-                           int(cfg.prompt_chars))
+    rows = heldout_prompts(
+        list(cfg.sources), float(cfg.val_fraction), int(cfg.seed), int(cfg.num_prompts), int(cfg.prompt_chars)
+    )
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))

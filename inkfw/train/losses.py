@@ -1,4 +1,5 @@
-"""Per-depth MTP losses over whole sequences (design §5).
+"""Per-depth MTP losses over whole sequences (the depths: docs/design.md §1; the simulated
+acceptance length: docs/design.md §6).
 
 Depth d (0-based) at position t reads ``g_d[t]`` and token ``x[t+d+1]`` and predicts
 ``x[t+d+2]``. With packed sequences a target is used only when ``x[t]`` and ``x[t+d+2]`` belong
@@ -32,12 +33,13 @@ def depth_weights(num_depths: int, beta: float = 0.7, weights: Sequence[float] |
     if weights is not None:
         w = torch.tensor([float(x) for x in weights])
         if w.numel() != num_depths or bool((w < 0).any()) or float(w.sum()) <= 0:
-            raise ConfigError(f"loss.weights must be {num_depths} non-negative numbers with a positive sum, "
-                              f"got {list(weights)}.")
+            raise ConfigError(
+                f"loss.weights must be {num_depths} non-negative numbers with a positive sum, got {list(weights)}."
+            )
     else:
         if not 0 < beta <= 1:
             raise ConfigError(f"loss.beta must lie in (0, 1], got {beta}.")
-        w = torch.tensor([beta ** d for d in range(num_depths)])
+        w = torch.tensor([beta**d for d in range(num_depths)])
     return w / w.sum()
 
 
@@ -63,10 +65,29 @@ class DepthStats:
         return simulated_acceptance_length([float(a) for a in self.agreement])
 
 
-def mtp_losses(model, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None, *,
-               num_depths: int | None = None, train_from: int = 0, weights: torch.Tensor | None = None,
-               objective: str = "ce", hidden: torch.Tensor | None = None,
-               backbone_logits: torch.Tensor | None = None) -> DepthStats:
+@torch.no_grad()
+def _backbone_outputs(
+    model, input_ids: torch.Tensor, hidden: torch.Tensor | None, backbone_logits: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hidden [B, T, H] as given or computed, backbone logits [B, T, V] in float32, their argmax [B, T])."""
+    h: torch.Tensor = model(input_ids) if hidden is None else hidden  # [B, T, H]
+    logits: torch.Tensor = model.logits(h) if backbone_logits is None else backbone_logits
+    logits = logits.detach().float()  # [B, T, V]
+    return h, logits, logits.argmax(-1)
+
+
+def mtp_losses(
+    model,
+    input_ids: torch.Tensor,
+    doc_ids: torch.Tensor | None = None,
+    *,
+    num_depths: int | None = None,
+    train_from: int = 0,
+    weights: torch.Tensor | None = None,
+    objective: str = "ce",
+    hidden: torch.Tensor | None = None,
+    backbone_logits: torch.Tensor | None = None,
+) -> DepthStats:
     """Losses of depths ``[train_from, num_depths)`` (earlier depths run, but are not in the loss).
 
     ``input_ids`` [B, T]; ``doc_ids`` [B, T] document index of every token (None: one
@@ -80,14 +101,7 @@ def mtp_losses(model, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = No
         doc_ids = torch.zeros_like(input_ids)
     if weights is None:
         weights = depth_weights(D)
-    if hidden is None:
-        with torch.no_grad():
-            hidden = model(input_ids)  # [B, T, H]
-    with torch.no_grad():
-        if backbone_logits is None:
-            backbone_logits = model.logits(hidden)
-        backbone_logits = backbone_logits.detach().float()  # [B, T, V]
-        backbone_greedy = backbone_logits.argmax(-1)  # [B, T]
+    hidden, backbone_logits, backbone_greedy = _backbone_outputs(model, input_ids, hidden, backbone_logits)
     chain = model.mtp_chain(hidden, input_ids, D, frozen_depths=train_from)  # g_1 .. g_D, each [B, T, H]
 
     loss = hidden.new_zeros((), dtype=torch.float32)
@@ -98,16 +112,20 @@ def mtp_losses(model, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = No
         counts.append(n)
         if n == 0:
             zero = loss.detach() * 0
-            ce_out.append(zero), kl_out.append(zero), agree_out.append(zero)
+            ce_out.append(zero)
+            kl_out.append(zero)
+            agree_out.append(zero)
             continue
         logits = model.logits(g[mask]).float()  # [N, V]
-        targets = input_ids[:, d + 2:][mask[:, : input_ids.shape[1] - d - 2]]  # [N]
-        teacher = backbone_logits[:, d + 1:][mask[:, : input_ids.shape[1] - d - 1]]  # [N, V]
+        targets = input_ids[:, d + 2 :][mask[:, : input_ids.shape[1] - d - 2]]  # [N]
+        teacher = backbone_logits[:, d + 1 :][mask[:, : input_ids.shape[1] - d - 1]]  # [N, V]
         ce = F.cross_entropy(logits, targets)
         kl = F.kl_div(logits.log_softmax(-1), teacher.log_softmax(-1), log_target=True, reduction="batchmean")
-        greedy = backbone_greedy[:, d + 1:][mask[:, : input_ids.shape[1] - d - 1]]
+        greedy = backbone_greedy[:, d + 1 :][mask[:, : input_ids.shape[1] - d - 1]]
         agree = (logits.argmax(-1) == greedy).float().mean()
         if d >= train_from:
             loss = loss + weights[d].to(loss.device) * (ce if objective == "ce" else kl)
-        ce_out.append(ce.detach()), kl_out.append(kl.detach()), agree_out.append(agree.detach())
+        ce_out.append(ce.detach())
+        kl_out.append(kl.detach())
+        agree_out.append(agree.detach())
     return DepthStats(loss, ce_out, kl_out, agree_out, counts)

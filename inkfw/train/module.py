@@ -1,110 +1,64 @@
-"""The LightningModule behind ``scripts/train.py``: ``task=mtp`` and ``task=pretrain``.
+"""The LightningModule behind ``scripts/train.py``.
 
-``mtp``: the backbone, the embedding and the unembedding are frozen (and run without
-autograd); depths ``[train_from, num_depths)`` train, earlier depths stay frozen. ``pretrain``:
-everything trains; the loss is next-token CE plus ``mtp_weight`` times the depth loss.
-Both log per-depth CE / KL, top-1 agreement with the backbone's greedy token and the simulated
-acceptance length, so a run shows what serving will see.
+What differs between tasks (which parameters train, the loss) is the task object's
+(:mod:`inkfw.train.tasks`); the optimizer and the learning-rate schedule are callables built
+from ``conf/optim`` and ``conf/scheduler``. Every task logs per-depth CE / KL, top-1
+agreement with the backbone's greedy token and the simulated acceptance length, and after
+each validation the real engine's mean acceptance length, so a run shows what serving will see.
+
+With ``train_config`` (the resolved training config) the module saves it as its
+hyperparameters, so every Lightning checkpoint describes the run that wrote it
+(``scripts/export.py ckpt_path=...`` needs nothing else).
 """
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import lightning as L
 import torch
-import torch.nn.functional as F
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
 
 from inkfw.errors import ConfigError
 from inkfw.models.inkling.model import InklingLM
-from inkfw.train.losses import depth_weights, mtp_losses, target_mask
+from inkfw.train.tasks import Batch, Logs, TrainTask
 
-
-@dataclass
-class OptimConfig:
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    warmup_steps: int = 20
-    max_steps: int = 1000
-    schedule: str = "cosine"  # cosine | constant
-    min_lr_ratio: float = 0.1
-
-    def lr_factor(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        if self.schedule == "constant":
-            return 1.0
-        if self.schedule != "cosine":
-            raise ConfigError(f"optim.schedule must be 'cosine' or 'constant', got {self.schedule!r}.")
-        progress = min(1.0, (step - self.warmup_steps) / max(1, self.max_steps - self.warmup_steps))
-        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def freeze_for_mtp(model: InklingLM, train_from: int) -> None:
-    """Leave only depths >= ``train_from`` trainable (and the shared chain_norm when every
-    depth trains)."""
-    for p in model.parameters():
-        p.requires_grad_(False)
-    for depth in list(model.mtp.depths)[train_from:]:
-        for p in depth.parameters():
-            p.requires_grad_(True)
-    if train_from == 0 and model.mtp.chain_norm is not None:
-        model.mtp.chain_norm.weight.requires_grad_(True)
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], Optimizer]  # conf/optim: _partial_ node
+SchedulerFactory = Callable[[Optimizer], LRScheduler]  # conf/scheduler: _partial_ node
 
 
 class InklingTrainModule(L.LightningModule):
-    def __init__(self, model: InklingLM, task: str = "mtp", train_from: int = 0, beta: float = 0.7,
-                 weights: list[float] | None = None, objective: str = "ce", mtp_weight: float = 1.0,
-                 optim: OptimConfig | None = None, eval_prompts: list[list[int]] | None = None,
-                 eval_max_new_tokens: int = 32):
+    def __init__(
+        self,
+        model: InklingLM,
+        task: TrainTask,
+        optimizer: OptimizerFactory | None = None,
+        scheduler: SchedulerFactory | None = None,
+        eval_prompts: list[list[int]] | None = None,
+        eval_max_new_tokens: int = 32,
+        train_config: dict[str, Any] | None = None,
+    ):
+        """``optimizer`` None: ``torch.optim.AdamW`` with torch's defaults; ``scheduler`` None: a
+        constant learning rate. ``eval_prompts``: token ids of held-out prompts for the engine's
+        acceptance after each validation (none: off)."""
         super().__init__()
+        if train_config is not None:
+            self.save_hyperparameters(train_config)  # into every checkpoint (and the logger)
+        self.model, self.task = model, task
+        self.optimizer_factory = optimizer or torch.optim.AdamW
+        self.scheduler_factory = scheduler
         self.eval_prompts, self.eval_max_new_tokens = eval_prompts or [], eval_max_new_tokens
-        if task not in ("mtp", "pretrain"):
-            raise ConfigError(f"task must be 'mtp' or 'pretrain', got {task!r}.")
-        D = model.num_mtp_depths
-        if task == "mtp" and not 0 <= train_from < D:
-            raise ConfigError(f"mtp.train_from must lie in [0, {D}) for {D} depths, got {train_from}.")
-        self.model, self.task, self.train_from = model, task, train_from if task == "mtp" else 0
-        self.objective, self.mtp_weight = objective, mtp_weight
-        self.optim = optim or OptimConfig()
-        self.register_buffer("depth_w", depth_weights(D, beta, weights) if D else torch.zeros(0), persistent=False)
-        if task == "mtp":
-            freeze_for_mtp(model, train_from)
+        task.prepare(model)
         self._t0: float | None = None
 
-    def compute(self, batch) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
+    def compute(self, batch: Batch) -> tuple[torch.Tensor, Logs]:
         """(loss, named metrics) of one batch ``(input_ids [B, T], doc_ids [B, T])``."""
-        ids, doc = batch  # [B, T], [B, T]
-        model = self.model
-        if self.task == "mtp":
-            with torch.no_grad():
-                hidden = model(ids)  # frozen backbone
-        else:
-            hidden = model(ids)
-        logs: dict[str, float | torch.Tensor] = {}
-        loss = hidden.new_zeros((), dtype=torch.float32)
-        logits = None
-        if self.task == "pretrain":
-            mask = target_mask(doc, 1)[:, :-1]  # [B, T-1]
-            logits = model.logits(hidden).float()  # [B, T, V], also the depths' teacher below
-            lm = F.cross_entropy(logits[:, :-1][mask], ids[:, 1:][mask])
-            loss = loss + lm
-            logs["lm_ce"] = lm.detach()
-        if model.num_mtp_depths:
-            stats = mtp_losses(model, ids, doc, train_from=self.train_from, weights=self.depth_w,
-                               objective=self.objective, hidden=hidden.detach(), backbone_logits=logits)
-            loss = loss + (self.mtp_weight if self.task == "pretrain" else 1.0) * stats.loss
-            for d in range(model.num_mtp_depths):
-                logs[f"depth{d}/ce"] = stats.ce[d]
-                logs[f"depth{d}/kl"] = stats.kl[d]
-                logs[f"depth{d}/agreement"] = stats.agreement[d]
-            logs["simulated_acceptance_length"] = stats.simulated_acceptance_length
-        return loss, logs
+        return self.task.loss(self.model, batch)
 
-    def _logged(self, batch, stage: str) -> torch.Tensor:
+    def _logged(self, batch: Batch, stage: str) -> torch.Tensor:
         loss, logs = self.compute(batch)
         B = batch[0].shape[0]
         self.log_dict({f"{stage}/{k}": v for k, v in logs.items()}, sync_dist=stage == "val", batch_size=B)
@@ -125,20 +79,26 @@ class InklingTrainModule(L.LightningModule):
 
     @torch.no_grad()
     def engine_acceptance_length(self) -> float:
-        """The real engine's mean acceptance length (greedy, k = D) on the held-out prompts."""
-        from inkfw.cache.paged import PagedKVManager
-        from inkfw.speculative.drafters import MtpDrafter
-        from inkfw.speculative.engine import Engine
-        from inkfw.speculative.verifier import TargetVerifier
+        """The real engine's mean acceptance length (greedy, k = D) on the held-out prompts,
+        with the engine built by the one factory around the model being trained."""
+        from inkfw.speculative.factory import build_engine, serving_config
 
+        max_model_len = max(map(len, self.eval_prompts)) + self.eval_max_new_tokens + 1
+        cfg = serving_config(
+            [
+                "model.path=null",  # the model is given; prompts are token ids: no checkpoint, no tokenizer
+                "drafter=mtp",
+                f"mtp.depths={self.model.num_mtp_depths}",
+                "spec.num_tokens=null",  # k = D
+                "sampler.temperature=0",  # greedy
+                f"engine.max_num_seqs={len(self.eval_prompts)}",
+                f"engine.max_model_len={max_model_len}",
+            ]
+        )
         was_training = self.model.training
         self.model.eval()
         try:
-            drafter = MtpDrafter(self.model)
-            kv = PagedKVManager(self.model, num_draft_depths=drafter.num_depths, lookahead=drafter.lookahead,
-                                num_draft_tokens=drafter.num_tokens, max_num_seqs=len(self.eval_prompts),
-                                max_model_len=max(map(len, self.eval_prompts)) + self.eval_max_new_tokens + 1)
-            engine = Engine(self.model, drafter, TargetVerifier(), kv)
+            engine, _ = build_engine(cfg, model=self.model, tokenizer=None)
             requests = [engine.add_request(p, max_new_tokens=self.eval_max_new_tokens) for p in self.eval_prompts]
             engine.generate(requests)
             return engine.metrics.mean_acceptance_length
@@ -154,7 +114,10 @@ class InklingTrainModule(L.LightningModule):
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not params:
             raise ConfigError("nothing to train: every parameter is frozen.")
-        o = self.optim
-        opt = torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas))
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, o.lr_factor)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        optimizer = self.optimizer_factory(params)
+        if self.scheduler_factory is None:
+            return optimizer
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "step"},
+        }

@@ -1,124 +1,151 @@
-"""``scripts/train.py``: build the model, data, module, logger and trainer from config; fit; export.
+"""``scripts/train.py`` and ``scripts/export.py``: everything from config, then fit; export.
 
-``task=mtp`` starts from a checkpoint (``model.path``) and trains depths
-``[mtp.train_from, mtp.depths)``; depths beyond those the checkpoint ships start from the
-deepest shipped depth of the same attention kind. ``task=pretrain`` trains a random-init
-preset (``model.sizes``) from scratch, with its depths.
+Every training config group is a ``_target_`` node, instantiated here: ``task`` builds the
+model and decides what trains (:mod:`inkfw.train.tasks`), ``data`` is the datamodule,
+``optim`` / ``scheduler`` are ``_partial_`` nodes the module calls, ``callbacks`` is a dict of
+callback nodes, ``trainer`` is :class:`lightning.pytorch.Trainer`, ``logger`` a Lightning
+logger. The resolved config is saved in every Lightning checkpoint, so an export needs only
+the checkpoint.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import lightning as L
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-from inkfw.checkpoint import export_checkpoint, load_model
-from inkfw.errors import ConfigError
+from inkfw.errors import CheckpointError, ConfigError, InkfwError
+from inkfw.models.inkling.checkpoint import export_checkpoint
 from inkfw.models.inkling.model import InklingLM
-from inkfw.presets import build_model, model_config, parse_dtype, resolve_path
-from inkfw.train.data import TextDataModule
-from inkfw.train.module import InklingTrainModule, OptimConfig
+from inkfw.presets import parse_dtype, resolve_path
+from inkfw.train.module import InklingTrainModule
+from inkfw.train.tasks import TrainTask
+
+TRAIN_CONFIG_KEY = "hyper_parameters"  # where Lightning keeps save_hyperparameters() in a .ckpt
 
 
-def grow_depths(model: InklingLM, depths: int) -> InklingLM:
-    """``model`` with ``depths`` MTP depths: existing ones kept, new ones copied from the
-    deepest existing depth of the same attention kind (random init if there is none)."""
-    have = model.num_mtp_depths
-    if depths <= have:
-        return model
-    grown = InklingLM(model.cfg.with_mtp_depths(depths), mtp_depths=depths, embed_source=model.embed_source)
-    grown.init_weights()
-    grown.load_state_dict(model.state_dict(), strict=False)
-    for d in range(have, depths):
-        kind = grown.mtp.depths[d].block.attn.window
-        donors = [s for s in range(have) if model.mtp.depths[s].block.attn.window == kind]
-        if donors:
-            grown.mtp.depths[d].load_state_dict(model.mtp.depths[donors[-1]].state_dict())
-    return grown.to(next(model.parameters()).device)
+def build_node(group: str, node: Any, **runtime: Any) -> Any:
+    """``instantiate(node, **runtime)``; a failure is one :class:`ConfigError` naming the group."""
+    try:
+        return instantiate(node, **runtime)
+    except InstantiationException as exc:
+        cause = exc.__cause__
+        if isinstance(cause, InkfwError):
+            raise cause from None
+        target = node.get("_target_") if hasattr(node, "get") else None
+        raise ConfigError(f"{group}: cannot build {target!r} ({str(exc).splitlines()[-1].strip()}).") from exc
 
 
-def build_train_model(cfg: Any) -> tuple[InklingLM, int, Path | None]:
-    """(model, train_from, tokenizer.json of the checkpoint or None)."""
-    task = cfg.task.name
-    requested = cfg.mtp.depths
-    if task == "mtp":
-        if not cfg.model.get("path"):
-            raise ConfigError("task=mtp trains depths on a checkpoint: set model=inkling model.path=DIR.")
-        shipped = model_config(cfg.model).mtp.num_nextn_predict_layers
-        depths = shipped if requested is None else int(requested)
-        if depths < 1:
-            raise ConfigError(f"mtp.depths must be >= 1, got {depths}.")
-        train_from = cfg.mtp.train_from
-        train_from = (shipped if depths > shipped else 0) if train_from is None else int(train_from)
-        if not 0 <= train_from <= shipped or train_from >= depths:
-            raise ConfigError(f"mtp.train_from={train_from} must lie in [0, {min(shipped, depths - 1)}]: the "
-                              f"checkpoint ships {shipped} depth(s) and new depths start right after them.")
-        model, ckpt = load_model(resolve_path(cfg.model.path), mtp_depths=min(depths, shipped),
-                                 embed_source=cfg.mtp.embed_source)
-        return grow_depths(model.train(), depths), train_from, ckpt.tokenizer_path
-    model = build_model(cfg.model, mtp_depths=requested, embed_source=cfg.mtp.embed_source)
-    return model.train(), 0, None
+def build_task_model(cfg: Any) -> tuple[TrainTask, InklingLM, Path | None]:
+    """(task, the model it trains, the checkpoint's tokenizer.json or None) from a training config."""
+    task: TrainTask = build_node("task", cfg.task)
+    model, ckpt_tokenizer = task.build_model(cfg.model, cfg.mtp.depths, cfg.mtp.embed_source)
+    return task, model, ckpt_tokenizer
 
 
 def run_train(cfg: Any) -> dict[str, Any]:
     L.seed_everything(int(cfg.seed), workers=True, verbose=False)
-    out = Path(cfg.output_dir).expanduser()
-    model, train_from, ckpt_tokenizer = build_train_model(cfg)
+    # the run as asked, before anything is built; saved in every checkpoint
+    train_config = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))
+    task, model, ckpt_tokenizer = build_task_model(cfg)
     tokenizer = cfg.data.tokenizer or ckpt_tokenizer
     if tokenizer is None:
-        raise ConfigError("data.tokenizer is not set and the checkpoint has no tokenizer.json; "
-                          "train one with scripts/train_tokenizer.py.")
-    data = TextDataModule(list(cfg.data.sources), resolve_path(tokenizer), seq_len=int(cfg.data.seq_len),
-                          batch_size=int(cfg.data.batch_size), val_fraction=float(cfg.data.val_fraction),
-                          seed=int(cfg.seed), eos_id=model.cfg.eos_token_ids[0], vocab_size=model.cfg.vocab_size,
-                          max_documents=cfg.data.max_documents)
+        raise ConfigError(
+            "data.tokenizer is not set and the checkpoint has no tokenizer.json; "
+            "train one with scripts/train_tokenizer.py."
+        )
+    data = build_node(
+        "data",
+        cfg.data,
+        tokenizer=resolve_path(tokenizer),
+        eos_id=model.cfg.eos_token_ids[0],
+        vocab_size=model.cfg.vocab_size,
+    )
     data.setup("fit")  # bad data fails here, in one line, before the trainer starts
-    optim = OptimConfig(**OmegaConf.to_container(cfg.optim, resolve=True))
-    optim.max_steps = int(cfg.trainer.max_steps)
     eval_cfg = cfg.get("eval") or {}
-    eval_prompts = [ids[: int(eval_cfg.get("prompt_tokens", 64))].tolist()
-                    for ids, _ in list(data.val_set)[: int(eval_cfg.get("num_prompts", 0))]]
-    module = InklingTrainModule(model, task=cfg.task.name, train_from=train_from, beta=float(cfg.loss.beta),
-                                weights=cfg.loss.weights, objective=cfg.loss.objective,
-                                mtp_weight=float(cfg.loss.mtp_weight), optim=optim, eval_prompts=eval_prompts,
-                                eval_max_new_tokens=int(eval_cfg.get("max_new_tokens", 32)))
-    logger = instantiate(cfg.logger) if cfg.get("logger") else False
-    callbacks = [RichProgressBar(), ModelCheckpoint(dirpath=out / "checkpoints", save_last=True, save_top_k=-1,
-                                                    filename="step-{step}", auto_insert_metric_name=False,
-                                                    every_n_train_steps=int(cfg.checkpoint_every))]
-    trainer = L.Trainer(**OmegaConf.to_container(cfg.trainer, resolve=True), logger=logger, callbacks=callbacks,
-                        default_root_dir=str(out))
+    eval_prompts = [
+        ids[: int(eval_cfg.get("prompt_tokens", 64))].tolist()
+        for ids, _ in list(data.val_set)[: int(eval_cfg.get("num_prompts", 0))]
+    ]
+    module = InklingTrainModule(
+        model,
+        task,
+        optimizer=build_node("optim", cfg.optim),
+        scheduler=build_node("scheduler", cfg.scheduler) if cfg.get("scheduler") else None,
+        eval_prompts=eval_prompts,
+        eval_max_new_tokens=int(eval_cfg.get("max_new_tokens", 32)),
+        train_config=train_config,
+    )
+    logger = build_node("logger", cfg.logger) if cfg.get("logger") else False
+    callbacks = [
+        build_node(f"callbacks.{name}", node) for name, node in (cfg.get("callbacks") or {}).items() if node is not None
+    ]
+    trainer: L.Trainer = build_node("trainer", cfg.trainer, logger=logger, callbacks=callbacks)
     trainer.fit(module, datamodule=data, ckpt_path=cfg.ckpt_path)
     result: dict[str, Any] = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v)}
     if trainer.is_global_zero and cfg.export:
-        path = export_checkpoint(model.eval(), out / "export", tokenizer_json=resolve_path(tokenizer),
-                                 dtype=parse_dtype(cfg.export_dtype))
+        path = export_checkpoint(
+            model.eval(),
+            Path(cfg.output_dir).expanduser() / "export",
+            tokenizer_json=resolve_path(tokenizer),
+            dtype=parse_dtype(cfg.export_dtype),
+        )
         result["export"] = str(path)
         print(f"exported {model.num_mtp_depths} MTP depth(s) to {path}")
     return result
 
 
+def read_training_checkpoint(ckpt_file: Path) -> tuple[DictConfig, dict[str, torch.Tensor]]:
+    """(the training config saved in a Lightning checkpoint, the model's state dict)."""
+    if not ckpt_file.is_file():
+        raise ConfigError(f"checkpoint {ckpt_file} does not exist.")
+    try:
+        ckpt = torch.load(ckpt_file, map_location="cpu", weights_only=False)
+        state = ckpt["state_dict"]
+    except Exception as exc:  # torch raises many kinds on a bad file
+        raise CheckpointError(f"{ckpt_file} is not a readable Lightning checkpoint ({type(exc).__name__}).") from exc
+    train_config = ckpt.get(TRAIN_CONFIG_KEY)
+    if not isinstance(train_config, dict) or "task" not in train_config:
+        raise CheckpointError(
+            f"{ckpt_file} holds no training config (it was written before checkpoints "
+            f"recorded one); train again, or export it with the inkfw release that wrote it."
+        )
+    model_state = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
+    return OmegaConf.create(dict(train_config)), model_state
+
+
 def run_export(cfg: Any) -> Path:
-    """Export a Lightning checkpoint of a training run (``ckpt_path``) in the release layout."""
+    """Export a Lightning checkpoint of a training run (``ckpt_path``) in the release layout.
+
+    The run's config comes from the checkpoint; the options are ``out`` (null:
+    ``<output_dir>/export`` of the run), ``export_dtype`` (null: the run's) and ``mtp_file``
+    (the MTP depths in a side file ``mtp.safetensors``).
+    """
     if not cfg.ckpt_path:
         raise ConfigError("export needs ckpt_path=PATH (a Lightning .ckpt written by scripts/train.py).")
     ckpt_file = Path(cfg.ckpt_path).expanduser()
-    if not ckpt_file.is_file():
-        raise ConfigError(f"checkpoint {ckpt_file} does not exist.")
-    model, _, ckpt_tokenizer = build_train_model(cfg)
+    train_cfg, model_state = read_training_checkpoint(ckpt_file)
+    _, model, ckpt_tokenizer = build_task_model(train_cfg)
     try:
-        state = torch.load(ckpt_file, map_location="cpu", weights_only=False)["state_dict"]
-    except Exception as exc:  # torch raises many kinds on a bad file
-        raise ConfigError(f"{ckpt_file} is not a readable Lightning checkpoint ({type(exc).__name__}).") from exc
-    model.load_state_dict({k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")})
-    tokenizer = cfg.data.tokenizer or ckpt_tokenizer
-    out = Path(cfg.out).expanduser()
-    path = export_checkpoint(model.eval(), out, tokenizer_json=resolve_path(tokenizer) if tokenizer else None,
-                             dtype=parse_dtype(cfg.export_dtype))
+        model.load_state_dict(model_state)
+    except RuntimeError as exc:
+        raise CheckpointError(
+            f"{ckpt_file}: the weights do not fit the model its config describes ({str(exc).splitlines()[0]})."
+        ) from exc
+    tokenizer = train_cfg.data.tokenizer or ckpt_tokenizer
+    out = Path(cfg.out if cfg.get("out") else Path(train_cfg.output_dir) / "export").expanduser()
+    dtype = cfg.export_dtype if cfg.get("export_dtype") else train_cfg.export_dtype
+    path = export_checkpoint(
+        model.eval(),
+        out,
+        tokenizer_json=resolve_path(tokenizer) if tokenizer else None,
+        dtype=parse_dtype(dtype),
+        mtp_file=bool(cfg.get("mtp_file") or False),
+    )
     print(f"exported {model.num_mtp_depths} MTP depth(s) from {ckpt_file} to {path}")
     return path
