@@ -20,5 +20,8 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    from inkfw.cli_args import prepare_argv
+
+    prepare_argv(CONF, "infer")  # prompt=/stop= verbatim; bad overrides: one error line, exit 2
     check_group_choices(CONF)
     main()
