@@ -415,7 +415,7 @@ def test_mtp_embed_source(cfg):
 
 @pytest.mark.parametrize("T", [1, 2, 3])
 def test_mtp_chain_short_sequence(model, T):
-    """A prompt shorter than the number of depths (design §3: even one token) still gets a
+    """A prompt shorter than the number of depths (docs/design.md §2: even one token) still gets a
     chain: every depth returns [B, T, H], equal to the chain over the sequence padded with 0."""
     ids = ids_of(2, T, seed=24)
     padded = F.pad(ids, (0, 4))

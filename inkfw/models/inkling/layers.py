@@ -2,6 +2,11 @@
 
 Architecture only: no checkpoint names, no I/O. Every module that remembers state between
 calls takes ``positions`` [B, T] and an optional :class:`~inkfw.cache.interface.LayerCache`.
+
+The serving step on small models is bound by how many operators it dispatches, so the hot path
+avoids per-layer work that depends only on positions (:class:`AttentionTerms` computes it once
+per forward), casts that are no-ops, and host syncs at decode sizes (:class:`MoE` has
+static-shape paths for small token counts).
 """
 
 from __future__ import annotations
@@ -16,6 +21,16 @@ from inkfw.cache.interface import ATTN_SCONV, K_SCONV, MLP_SCONV, V_SCONV, Layer
 from inkfw.models.inkling.config import InklingConfig
 
 
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    """``t.float()`` without dispatching an op when ``t`` is fp32 already."""
+    return t if t.dtype == torch.float32 else t.float()
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` without dispatching an op when the dtype already matches."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32; the weight multiplies the result in the input's dtype."""
 
@@ -25,9 +40,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # on CPU F.rms_norm runs x * rsqrt(mean(x^2) + eps) (* weight): the same ops in the same order
+        if x.dtype == self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 
 class ShortConv(nn.Module):
@@ -44,33 +60,100 @@ class ShortConv(nn.Module):
         self.stream = stream
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerCache | None) -> torch.Tensor:
-        w = self.weight.float()  # [C, 1, K]
+        w, xf = _fp32(self.weight), _fp32(x)  # [C, 1, K], [B, T, C]
         if cache is None:
-            xt = x.float().transpose(1, 2)  # [B, C, T]
-            conv = F.conv1d(xt, w, padding=self.kernel_size - 1, groups=w.shape[0])[..., : x.shape[1]]
-            conv = conv.transpose(1, 2)  # [B, T, C]
+            conv = F.conv1d(xf.transpose(1, 2), w, padding=self.kernel_size - 1, groups=w.shape[0])
+            conv = conv[..., : x.shape[1]].transpose(1, 2)  # [B, T, C]
         else:
             window = cache.conv_window(self.stream, x, positions, self.kernel_size)  # [B, T, K, C]
-            conv = torch.einsum("btkc,ck->btc", window.float(), w[:, 0, :])
-        return (x.float() + conv).to(x.dtype)
+            conv = (_fp32(window) * w.permute(1, 2, 0)).sum(2)  # [B, T, K, C] * [1, K, C], summed over K
+        return _as(xf + conv, x.dtype)
 
 
 class RelativeBias(nn.Module):
     """Learned relative position bias: ``bias[q, k] = (r_q @ table)[q - k]`` for
-    ``0 <= q - k < extent``, else 0. ``table`` [d_rel, extent]."""
+    ``0 <= q - k < extent``, else 0. ``table`` [d_rel, extent].
+
+    Attention reads it through :meth:`masked`: the profile ``r_q @ table`` padded with two
+    columns, ``extent`` (bias 0: a visible key beyond the table) and ``extent + 1`` (-inf: a key
+    the query may not see), so that one gather yields the bias with the mask folded in.
+    """
 
     def __init__(self, d_rel: int, extent: int):
         super().__init__()
         self.table = nn.Parameter(torch.zeros(d_rel, extent))
         self.extent = extent
 
-    def forward(self, r: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
-        # r [B, T, H, d_rel], distance [B, T, S] -> bias [B, H, T, S]
+    def masked(self, r: torch.Tensor, columns: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+        """r [B, T, H, d_rel], columns [B, H, T, S] (from :func:`relative_bias_columns`), tail [B, H, T, 2]
+        (the values of the two padding columns) -> bias [B, H, T, S]."""
         profile = (r @ self.table).transpose(1, 2)  # [B, H, T, extent]
-        index = distance.clamp(0, self.extent - 1)[:, None].expand(-1, profile.shape[1], -1, -1)
-        bias = profile.gather(-1, index)
-        outside = (distance < 0) | (distance >= self.extent)
-        return bias.masked_fill(outside[:, None], 0.0)
+        return torch.cat([profile, tail], dim=-1).gather(-1, columns)
+
+    def forward(self, r: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
+        # r [B, T, H, d_rel], distance [B, T, S] -> bias [B, H, T, S], 0 wherever 0 <= distance < extent fails
+        B, T, H, _ = r.shape
+        columns = torch.where((distance >= 0) & (distance < self.extent), distance, self.extent)
+        tail = r.new_zeros(1, 1, 1, 2).expand(B, H, T, 2)
+        return self.masked(r, columns[:, None].expand(-1, H, -1, -1), tail)
+
+
+def relative_bias_columns(distance: torch.Tensor, extent: int, window: int | None) -> torch.Tensor:
+    """distance [B, T, S] (query minus key position) -> the column of the padded bias profile
+    (see :meth:`RelativeBias.masked`) each pair reads: ``distance`` inside the table, ``extent``
+    for a visible key beyond it, ``extent + 1`` for a key that is in the future or outside the
+    sliding ``window``."""
+    visible = distance >= 0
+    if window is not None:
+        visible = visible & (distance < window)
+    inside = (distance >= 0) & (distance < extent)
+    return torch.where(inside, distance, torch.where(visible, extent, extent + 1))  # [B, T, S]
+
+
+class AttentionTerms:
+    """What the attention layers of one forward derive from positions alone, computed once and
+    shared by every layer: the log-scaling factor of each query and, per set of key positions
+    (the layers of one cache group read the same key positions tensor), the bias columns with
+    the causal and window masks folded in.
+
+    Build one per forward from the query ``positions`` [B, T]; a block given none builds its own.
+    Key positions are recognised by identity, so a cache must not change the values of a key
+    positions tensor it has returned while the forward runs (the paged cache's group views build
+    theirs once per forward; the dense cache returns a new tensor per layer).
+    """
+
+    def __init__(self, positions: torch.Tensor):
+        self.positions = positions
+        self._tau: dict[tuple[int, float], torch.Tensor] = {}
+        # (key_positions, extent, window, heads, dtype, columns [B, H, T, S], tail [B, H, T, 2])
+        self._columns: list[tuple] = []
+
+    def tau(self, n_floor: int, alpha: float) -> torch.Tensor:
+        """Log-scaling factor ``1 + alpha * log(max(1, (p + 1) / n_floor))`` per query: [B, 1, T, 1], fp32."""
+        key = (n_floor, alpha)
+        if key not in self._tau:
+            tau = 1.0 + alpha * torch.log(((self.positions + 1).float() / n_floor).clamp(min=1.0))  # [B, T]
+            self._tau[key] = tau[:, None, :, None]
+        return self._tau[key]
+
+    def bias_columns(self, key_positions: torch.Tensor, extent: int, window: int | None, heads: int,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(columns [B, H, T, S], tail [B, H, T, 2]) for :meth:`RelativeBias.masked` against keys at
+        ``key_positions`` [B, S]; the tail holds 0 and -inf in ``dtype``."""
+        for kp, e, w, h, dt, columns, tail in self._columns:
+            if kp is key_positions and (e, w, h, dt) == (extent, window, heads, dtype):
+                return columns, tail
+        distance = self.positions[:, :, None] - key_positions[:, None, :]  # [B, T, S]
+        B, T, S = distance.shape
+        columns = relative_bias_columns(distance, extent, window)[:, None].expand(B, heads, T, S)
+        tail = torch.tensor([0.0, float("-inf")], dtype=dtype, device=distance.device).expand(B, heads, T, 2)
+        self._columns.append((key_positions, extent, window, heads, dtype, columns, tail))
+        return columns, tail
+
+
+def _scale(t: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    """``t * tau`` computed in fp32, returned in ``t``'s dtype."""
+    return t * tau if t.dtype == torch.float32 else (t.float() * tau).to(t.dtype)
 
 
 class Attention(nn.Module):
@@ -101,9 +184,11 @@ class Attention(nn.Module):
         self.v_sconv = ShortConv(kv_dim, cfg.conv_kernel_size, V_SCONV)
         self.rel_bias = RelativeBias(cfg.d_rel, extent)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerCache | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerCache | None,
+                terms: AttentionTerms | None = None) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim))  # [B, T, Hq, D]
+        terms = terms if terms is not None else AttentionTerms(positions)
+        q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)  # [B, Hq, T, D]
         k = self.k_sconv(self.k_proj(x), positions, cache).view(B, T, self.num_kv_heads, self.head_dim)
         k = self.k_norm(k)  # [B, T, Hkv, D]
         v = self.v_sconv(self.v_proj(x), positions, cache).view(B, T, self.num_kv_heads, self.head_dim)
@@ -114,21 +199,15 @@ class Attention(nn.Module):
         else:
             keys, values, key_positions = cache.update_kv(k, v, positions)  # [B, S, Hkv, D], [B, S]
 
-        distance = positions[:, :, None] - key_positions[:, None, :]  # [B, T, S]
-        bias = self.rel_bias(r, distance)  # [B, Hq, T, S]
-        allowed = distance >= 0
-        if self.window is not None:
-            allowed &= distance < self.window
+        columns, tail = terms.bias_columns(key_positions, self.rel_bias.extent, self.window, self.num_heads, r.dtype)
+        mask = self.rel_bias.masked(r, columns, tail)  # [B, Hq, T, S]: bias, -inf where not visible
         if self.log_scaling_n_floor is not None:
-            tau = 1.0 + self.log_scaling_alpha * torch.log(
-                ((positions + 1).float() / self.log_scaling_n_floor).clamp(min=1.0))  # [B, T]
-            q = (q.float() * tau[:, :, None, None]).to(q.dtype)
-            bias = (bias.float() * tau[:, None, :, None]).to(bias.dtype)
-        mask = bias.masked_fill(~allowed[:, None], float("-inf"))
+            tau = terms.tau(self.log_scaling_n_floor, self.log_scaling_alpha)  # [B, 1, T, 1]
+            q, mask = _scale(q, tau), _scale(mask, tau)
 
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
-            attn_mask=mask.to(q.dtype), scale=1.0 / self.head_dim, enable_gqa=True,
+            q, _as(keys.transpose(1, 2), q.dtype), _as(values.transpose(1, 2), q.dtype),
+            attn_mask=_as(mask, q.dtype), scale=1.0 / self.head_dim, enable_gqa=True,
         )  # [B, Hq, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
@@ -161,6 +240,8 @@ class Router(nn.Module):
     experts' weights are the per-token gammas.
     """
 
+    score_bias: torch.Tensor  # buffer [E], fp32
+
     def __init__(self, cfg: InklingConfig):
         super().__init__()
         self.num_routed = cfg.n_routed_experts
@@ -171,19 +252,42 @@ class Router(nn.Module):
         self.register_buffer("score_bias", torch.zeros(cfg.n_routed_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # x [N, H] -> expert ids [N, k], routed weights [N, k], shared gammas [N, S]
-        logits = F.linear(x.float(), self.weight.float())  # [N, E + S]
-        routed, shared = logits[:, : self.num_routed], logits[:, self.num_routed:]
-        choice = routed.sigmoid() + self.score_bias.float()
-        expert_ids = choice.topk(self.top_k, dim=-1, sorted=False).indices  # [N, k]
-        log_w = F.logsigmoid(torch.cat([routed.gather(-1, expert_ids), shared], dim=-1))  # [N, k + S]
+        # x [..., H] -> expert ids [..., k], routed weights [..., k], shared gammas [..., S]
+        logits = F.linear(_fp32(x), _fp32(self.weight))  # [..., E + S]
+        routed, shared = logits.split([self.num_routed, logits.shape[-1] - self.num_routed], dim=-1)
+        choice = routed.sigmoid() + _fp32(self.score_bias)
+        expert_ids = choice.topk(self.top_k, dim=-1, sorted=False).indices  # [..., k]
+        log_w = F.logsigmoid(torch.cat([routed.gather(-1, expert_ids), shared], dim=-1))  # [..., k + S]
         weights = torch.exp(log_w - torch.logsumexp(log_w, dim=-1, keepdim=True))
-        weights = (weights * self.route_scale * self.global_scale.float()).to(x.dtype)
-        return expert_ids, weights[:, : self.top_k], weights[:, self.top_k:]
+        if self.route_scale != 1.0:  # x * 1.0 == x: skipping it changes nothing
+            weights = weights * self.route_scale
+        weights = _as(weights * _fp32(self.global_scale), x.dtype)
+        routed_weights, gammas = weights.split([self.top_k, weights.shape[-1] - self.top_k], dim=-1)
+        return expert_ids, routed_weights, gammas
 
 
 class MoE(nn.Module):
-    """Routed experts (top-k of ``n_routed_experts``) plus always-on shared experts weighted by gammas."""
+    """Routed experts (top-k of ``n_routed_experts``) plus always-on shared experts weighted by gammas.
+
+    Three computations of the same function, chosen by the token count N (a Python int, so the
+    choice is static under ``torch.compile``):
+
+    * ``grouped`` (N > ``static_max_tokens``: prefill chunks): tokens grouped by expert, one
+      SwiGLU per expert that has tokens. Reads the group sizes on the host (a sync).
+    * ``gathered`` (small N with ``2 * N * top_k < n_routed_experts``): each token's k expert
+      weights gathered into [N, k, ...] and applied with batched matmuls; reads only the chosen
+      experts.
+    * ``dense`` (small N otherwise): every routed expert applied to every token with batched
+      matmuls, then weighted by a routing matrix that is zero for experts not chosen; reads every
+      expert once, cheaper than gathering when the tokens use most experts anyway.
+
+    The two static paths have fixed shapes and read nothing on the host (compile and CUDA-graph
+    friendly). They add each token's expert outputs in the grouped path's order (shared experts,
+    then routed experts by id), so for a single token all three agree bit for bit; for more tokens
+    they agree to float rounding (a matmul's rounding depends on its row count).
+    """
+
+    static_max_tokens: int = 64  # largest token count that takes a static-shape path
 
     def __init__(self, cfg: InklingConfig):
         super().__init__()
@@ -194,9 +298,59 @@ class MoE(nn.Module):
         self.shared_gate_up = nn.Parameter(torch.zeros(s, 2 * i, h))
         self.shared_down = nn.Parameter(torch.zeros(s, h, i))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        flat = x.reshape(-1, shape[-1])  # [N, H]
+    def path_for(self, num_tokens: int) -> str:
+        """Which computation ``num_tokens`` tokens take: ``gathered``, ``dense`` or ``grouped``."""
+        if num_tokens > self.static_max_tokens:
+            return "grouped"
+        if 2 * num_tokens * self.router.top_k < self.experts_gate_up.shape[0]:
+            return "gathered"
+        return "dense"
+
+    def forward(self, x: torch.Tensor, path: str | None = None) -> torch.Tensor:
+        """x [..., H] -> [..., H]. ``path`` forces a computation (tests, benchmarks); None picks
+        it from the token count (:meth:`path_for`)."""
+        path = path or self.path_for(x.numel() // x.shape[-1])
+        if path not in ("grouped", "gathered", "dense"):
+            raise ValueError(f"MoE path must be 'grouped', 'gathered' or 'dense', got {path!r}")
+        if path == "grouped":  # the static paths keep the leading dims, this one flattens them
+            return _as(self._grouped(x.reshape(-1, x.shape[-1])), x.dtype).view(x.shape)
+        return _as(self._gathered(x) if path == "gathered" else self._dense(x), x.dtype)
+
+    @staticmethod
+    def _all_experts(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """SwiGLU of every expert of a stack on every token: gate_up [X, 2I, H], down [X, H, I],
+        x [..., H] -> [..., X, 1, H]."""
+        # one matmul over the stacked rows: each output equals the expert's own F.linear
+        h = F.linear(x, gate_up.flatten(0, 1)).unflatten(-1, (gate_up.shape[0], 1, -1))  # [..., X, 1, 2I]
+        gate, up = h.chunk(2, dim=-1)  # [..., X, 1, I] each
+        return (F.silu(gate) * up) @ down.mT
+
+    @staticmethod
+    def _weighted_sum(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """y [..., X, 1, H], weights [..., X] -> the sum over X of ``(y * w).float()``, in X's order
+        (as the grouped path accumulates): [..., H], fp32."""
+        return _fp32(y * weights.unflatten(-1, (-1, 1, 1))).sum((-3, -2))
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        expert_ids, weights, gammas = self.router(x)
+        y = torch.cat([self._all_experts(self.shared_gate_up, self.shared_down, x),
+                       self._all_experts(self.experts_gate_up, self.experts_down, x)], dim=-3)  # [..., S + E, 1, H]
+        routed = weights.new_zeros(*x.shape[:-1], self.experts_gate_up.shape[0])  # [..., E]
+        routing = torch.cat([gammas, routed.scatter_(-1, expert_ids, weights)], dim=-1)  # [..., S + E], 0: not chosen
+        return self._weighted_sum(y, routing)
+
+    def _gathered(self, x: torch.Tensor) -> torch.Tensor:
+        expert_ids, weights, gammas = self.router(x)
+        expert_ids, order = expert_ids.sort(dim=-1)  # by id: the order the grouped path adds them in
+        rows = x[..., None, None, :]  # [..., 1, 1, H]
+        gate, up = (rows @ self.experts_gate_up[expert_ids].mT).chunk(2, dim=-1)  # [..., k, 1, I] each
+        routed = (F.silu(gate) * up) @ self.experts_down[expert_ids].mT  # [..., k, 1, H]
+        shared = self._all_experts(self.shared_gate_up, self.shared_down, x)  # [..., S, 1, H]
+        return self._weighted_sum(torch.cat([shared, routed], dim=-3),
+                                  torch.cat([gammas, weights.gather(-1, order)], dim=-1))
+
+    def _grouped(self, flat: torch.Tensor) -> torch.Tensor:
+        # flat [N, H] -> [N, H] fp32
         expert_ids, weights, gammas = self.router(flat)
         out = torch.zeros_like(flat, dtype=torch.float32)
         for s in range(self.shared_gate_up.shape[0]):
@@ -214,7 +368,7 @@ class MoE(nn.Module):
             y = swiglu(flat[idx], self.experts_gate_up[e], self.experts_down[e])
             out.index_add_(0, idx, (y * slot_weights[start : start + n, None]).float())
             start += n
-        return out.to(x.dtype).view(shape)
+        return out  # fp32
 
 
 class Block(nn.Module):
@@ -234,8 +388,10 @@ class Block(nn.Module):
         self.mlp = MoE(cfg) if moe else DenseMLP(h, cfg.intermediate_size)
         self.mlp_sconv = ShortConv(h, cfg.conv_kernel_size, MLP_SCONV)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        h = h + self.attn_sconv(self.attn(self.attn_norm(h), positions, cache), positions, cache)
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, cache: LayerCache | None = None,
+                terms: AttentionTerms | None = None) -> torch.Tensor:
+        """``terms``: the forward's shared :class:`AttentionTerms` (None: this block builds its own)."""
+        h = h + self.attn_sconv(self.attn(self.attn_norm(h), positions, cache, terms), positions, cache)
         h = h + self.mlp_sconv(self.mlp(self.mlp_norm(h)), positions, cache)
         return h
 

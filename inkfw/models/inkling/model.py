@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from inkfw.cache.interface import LayerCache
-from inkfw.models.inkling.config import InklingConfig
 from inkfw.errors import ConfigError
-from inkfw.models.inkling.layers import Block, RMSNorm, Router, ShortConv, init_weights
+from inkfw.models.inkling.config import InklingConfig
+from inkfw.models.inkling.layers import AttentionTerms, Block, RMSNorm, Router, ShortConv, init_weights
 from inkfw.models.inkling.mtp import MtpStack
 
 EmbedSource = Literal["backbone_norm", "raw"]
@@ -43,8 +43,9 @@ class InklingBackbone(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 caches: Sequence[LayerCache] | None = None) -> torch.Tensor:
         h = self.embed_tokens(input_ids)  # [B, T, H]
+        terms = AttentionTerms(positions)  # position-only attention terms, shared by every layer
         for i, layer in enumerate(self.layers):
-            h = layer(h, positions, caches[i] if caches is not None else None)
+            h = layer(h, positions, caches[i] if caches is not None else None, terms)
         return self.norm(h)
 
 
@@ -79,7 +80,7 @@ class InklingLM(nn.Module):
             if isinstance(m, ShortConv):
                 m.float()
             elif isinstance(m, Router):
-                m.score_bias.data = m.score_bias.data.float()
+                m.score_bias = m.score_bias.float()  # a buffer: reassigning keeps it registered
                 m.global_scale.data = m.global_scale.data.float()
         return self
 

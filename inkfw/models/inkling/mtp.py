@@ -1,4 +1,4 @@
-"""Multi-token prediction: one MTP depth and the depth stack (design §2).
+"""Multi-token prediction: one MTP depth and the depth stack (docs/design.md §1).
 
 Depth d at position t reads the previous hidden state ``g_d[t]`` (``g_0`` = the target's
 final-normed hidden state) and the embedding of token ``x[t+d+1]``; its output predicts
@@ -30,8 +30,9 @@ class MtpDepth(nn.Module):
         self.input_proj = nn.Linear(2 * h, h, bias=False)
         self.block = Block(cfg, local=local, moe=False)
 
-    def forward(self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
-                cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, cache: LayerCache | None = None
+    ) -> torch.Tensor:
         z = self.input_proj(torch.cat([self.hidden_norm(hidden), self.embed_norm(embeds)], dim=-1))  # [B, T, H]
         return self.block(z, positions, cache)
 
@@ -48,8 +49,14 @@ class MtpStack(nn.Module):
     def __len__(self) -> int:
         return len(self.depths)
 
-    def forward(self, depth: int, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
-                cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        depth: int,
+        hidden: torch.Tensor,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        cache: LayerCache | None = None,
+    ) -> torch.Tensor:
         """Run depth ``depth``: hidden [B, T, H] (g_d), embeds [B, T, H] -> g_{d+1} [B, T, H]."""
         out = self.depths[depth](hidden, embeds, positions, cache)
         return self.chain_norm(out) if self.chain_norm is not None else out

@@ -1,0 +1,141 @@
+"""Profiling of the model's hot path: top-level aten op counts and eager wall time.
+
+The serving step on a small model is bound by how many operators it dispatches, not by
+arithmetic. :func:`count_aten_ops` counts the *top-level* aten operators a call issues, as
+``torch.profiler`` records them: an ``aten::`` op that no other ``aten::`` op called (so
+``aten::linear`` counts once, not with the ``aten::t`` and ``aten::addmm`` it runs inside).
+:func:`one_token_forwards` builds the 1-token forwards the engine and the tests run (uncached,
+dense cache, paged cache) so that ``scripts/count_ops.py`` and the benchmark measure the same thing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def _is_top_level_aten(event) -> bool:
+    if not event.name.startswith("aten::"):
+        return False
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("aten::"):
+            return False
+        parent = parent.cpu_parent
+    return True
+
+
+def aten_op_histogram(fn: Callable[[], Any], nested: bool = False) -> Counter[str]:
+    """Aten ops one call of ``fn()`` issues (under ``torch.no_grad``), by name (``aten::mm``):
+    the top-level ones, or with ``nested`` every op including those other ops call."""
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return Counter(e.name for e in prof.events() or []
+                   if e.name.startswith("aten::") and (nested or _is_top_level_aten(e)))
+
+
+def count_aten_ops(fn: Callable[[], Any], nested: bool = False) -> int:
+    """Number of top-level aten ops (all aten ops with ``nested``) one call of ``fn()`` issues."""
+    return sum(aten_op_histogram(fn, nested).values())
+
+
+def wall_time(fn: Callable[[], Any], repeats: int = 50, warmup: int = 5) -> float:
+    """Median seconds of one ``fn()`` call over ``repeats`` calls (after ``warmup`` calls)."""
+    with torch.no_grad():
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def one_token_forwards(model, context: int = 32, seed: int = 0) -> dict[str, Callable[[], Any]]:
+    """1-token forwards of ``model`` at position ``context`` (after a ``context``-token prefill):
+
+    * ``uncached``: ``model(ids, positions)`` on the one token alone;
+    * ``dense``: through a :class:`~inkfw.cache.dense.DenseModelCache`;
+    * ``paged``: through the engine's :class:`~inkfw.cache.paged.PagedKVManager`, building the
+      per-forward cache views as the verifier does (``paged_model`` times the model alone on
+      views built once).
+
+    Each callable rewrites the same position, so it can be called any number of times.
+    """
+    from inkfw.cache.dense import DenseModelCache
+    from inkfw.cache.paged import PagedKVManager
+
+    param = next(model.parameters())
+    device = param.device
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, model.cfg.logits_vocab_size, (1, context + 1), generator=gen).to(device)
+    ids, positions = prompt[:, context:], torch.full((1, 1), context, device=device)  # [1, 1]
+    prefix_positions = torch.arange(context, device=device)[None]  # [1, context]
+
+    dense = DenseModelCache(model, batch=1, max_len=context + 8)
+    kv = PagedKVManager(model, block_size=16, max_model_len=context + 8, max_num_seqs=1,
+                        enable_prefix_caching=False)
+    kv.add("r", prompt[0].tolist())
+    kv.ensure("r", target_end=context + 1, draft_end=0)
+    valid_prefix = torch.ones_like(prefix_positions, dtype=torch.bool)
+    valid = torch.ones_like(positions, dtype=torch.bool)
+    with torch.no_grad():
+        model(prompt[:, :context], prefix_positions, dense.layers)
+        model(prompt[:, :context], prefix_positions, kv.target_caches(["r"], prefix_positions, valid_prefix))
+    views = kv.target_caches(["r"], positions, valid)
+
+    return {
+        "uncached": lambda: model(ids, positions),
+        "dense": lambda: model(ids, positions, dense.layers),
+        "paged": lambda: model(ids, positions, kv.target_caches(["r"], positions, valid)),
+        "paged_model": lambda: model(ids, positions, views),
+    }
+
+
+FORWARD_MODES = ("uncached", "dense", "paged", "paged_model")
+
+
+def report_one_token_ops(cfg: Any) -> dict[str, dict[str, float]]:
+    """``scripts/count_ops.py``: top-level (and nested) aten ops and median eager wall time of a
+    1-token forward of ``cfg.model`` in each of ``cfg.modes``; prints a table, returns
+    ``{mode: {"top_level_ops", "nested_ops", "wall_ms"}}``."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from inkfw.errors import ConfigError
+    from inkfw.presets import build_model
+
+    modes = list(cfg.modes)
+    unknown = [m for m in modes if m not in FORWARD_MODES]
+    if not modes or unknown:
+        raise ConfigError(f"modes must be a non-empty list of {', '.join(FORWARD_MODES)}; got {modes}.")
+    context, repeats = int(cfg.context), int(cfg.repeats)
+    if context < 1 or repeats < 1:
+        raise ConfigError(f"context and repeats must be >= 1, got context={context}, repeats={repeats}.")
+    if cfg.threads is not None:
+        torch.set_num_threads(int(cfg.threads))
+    model = build_model(cfg.model, mtp_depths=cfg.mtp.depths, dtype=cfg.dtype, device=cfg.device)
+    if context + 1 > model.cfg.max_position_embeddings:
+        raise ConfigError(f"context {context} leaves no position for the token "
+                          f"(max_position_embeddings={model.cfg.max_position_embeddings}).")
+    forwards = one_token_forwards(model, context=context)
+    results = {}
+    for mode in modes:
+        fn = forwards[mode]
+        results[mode] = {"top_level_ops": count_aten_ops(fn), "nested_ops": count_aten_ops(fn, nested=True),
+                         "wall_ms": 1e3 * wall_time(fn, repeats=repeats)}
+    table = Table(title=f"1-token forward of {cfg.model.get('path') or cfg.model.name} at position {context} "
+                        f"({torch.get_num_threads()} threads)")
+    for column in ("forward", "top-level aten ops", "all aten ops", "eager ms (median)"):
+        table.add_column(column, justify="left" if column == "forward" else "right")
+    for mode, r in results.items():
+        table.add_row(mode, str(r["top_level_ops"]), str(r["nested_ops"]), f"{r['wall_ms']:.2f}")
+    Console().print(table)
+    return results
