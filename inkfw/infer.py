@@ -1,6 +1,6 @@
 """Speculative decoding from the command line: the run behind ``scripts/infer.py``.
 
-:func:`run_infer` builds the engine of ``conf/infer.yaml``
+:func:`run_infer` builds the engine of ``inkfw/conf/infer.yaml``
 (:func:`~inkfw.speculative.factory.build_engine`), queues the prompts (:mod:`inkfw.prompts`:
 ``prompt``, ``prompt_token_ids``, ``prompts_file`` or a built-in demo), generates with a
 progress bar, and reports (:mod:`inkfw.reporting`): every request's output, a table of

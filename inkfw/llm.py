@@ -10,11 +10,11 @@
     for delta in llm.stream("import os\\n", max_tokens=16):           # increments as they come
         print(delta.text, end="")
 
-``LLM`` composes ``conf/infer.yaml`` (:func:`~inkfw.speculative.factory.serving_config`, the
+``LLM`` composes ``inkfw/conf/infer.yaml`` (:func:`~inkfw.speculative.factory.serving_config`, the
 config ``scripts/infer.py`` uses) with its keyword options turned into Hydra overrides, and
 builds the engine with :func:`~inkfw.speculative.factory.build_engine`:
 
-* ``model``: a preset of ``conf/model`` (``inkling-debug``) or a checkpoint directory
+* ``model``: a preset of ``inkfw/conf/model`` (``inkling-debug``) or a checkpoint directory
   (``model=inkling model.path=DIR``);
 * ``mtp_depths`` -> ``mtp.depths``, ``num_speculative_tokens`` -> ``spec.num_tokens``;
 * a config group given a string chooses its option (``drafter="ngram"``); a dict sets keys
@@ -23,7 +23,7 @@ builds the engine with :func:`~inkfw.speculative.factory.build_engine`:
 * ``overrides=[...]``: raw Hydra overrides, applied last (``["sampler.temperature=0.7"]``).
 
 Every request gets its own :class:`SamplingParams` (temperature, top_k, top_p, seed); the
-defaults come from ``conf/sampler``. ``max_tokens`` and ``stop`` default to the config's
+defaults come from ``inkfw/conf/sampler``. ``max_tokens`` and ``stop`` default to the config's
 ``max_new_tokens`` and ``stop``.
 """
 

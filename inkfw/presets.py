@@ -1,4 +1,4 @@
-"""Turn a ``conf/model/*.yaml`` node into an :class:`InklingConfig`, a ready model, or a parameter report.
+"""Turn a ``inkfw/conf/model/*.yaml`` node into an :class:`InklingConfig`, a ready model, or a parameter report.
 
 A node names either a checkpoint (``path``: sizes from its ``config.json``) or a random-init
 flavour (``flavour``: sizes from ``inkfw/models/inkling/flavours.py``, single fields overridable
@@ -19,6 +19,7 @@ from inkfw.models.inkling.config import InklingConfig, MtpConfig
 from inkfw.models.inkling.flavours import PUBLISHED, flavour_config
 from inkfw.models.inkling.model import EmbedSource, InklingLM
 from inkfw.models.inkling.params import ParamCount, count_parameters
+from inkfw.paths import checkout_root
 
 DTYPES = {
     "float32": torch.float32,
@@ -57,12 +58,14 @@ def resolve_device(name: str | torch.device) -> torch.device:
 
 
 def resolve_path(path: str | Path) -> Path:
-    """Relative checkpoint paths are taken from the project root when not found where we run."""
+    """A relative path is taken from the working directory, else from the source checkout when
+    inkfw runs from one (``checkpoints/inkling-tiny`` works from any folder there); an installed
+    inkfw has no checkout, and a path found nowhere is returned as given, for the caller's
+    one-line "not found" error."""
     p = Path(path).expanduser()
-    if not p.is_absolute() and not p.exists():
-        candidate = Path(__file__).resolve().parent.parent / p
-        if candidate.exists():
-            return candidate
+    root = checkout_root()
+    if not p.is_absolute() and not p.exists() and root is not None and (root / p).exists():
+        return root / p
     return p
 
 

@@ -1,21 +1,8 @@
-"""Engine benchmark: overhead (step time / forward time), tokens/s and KV bytes per configuration."""
+"""Engine benchmark: overhead (step time / forward time), tokens/s and KV bytes per configuration.
 
-from pathlib import Path
+The same program as the console script ``inkfw-bench`` (:func:`inkfw.entrypoints.bench_main`)."""
 
-import hydra
-from omegaconf import DictConfig
-
-from inkfw.bench import run_bench
-from inkfw.cli import check_group_choices, run_user_command
-
-CONF = Path(__file__).resolve().parent.parent / "conf"
-
-
-@hydra.main(config_path="../conf", config_name="bench", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    run_user_command(run_bench, cfg)
-
+from inkfw.entrypoints import bench_main
 
 if __name__ == "__main__":
-    check_group_choices(CONF)
-    main()
+    bench_main()

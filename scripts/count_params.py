@@ -4,10 +4,11 @@ import hydra
 from omegaconf import DictConfig
 
 from inkfw.cli import run_user_command
+from inkfw.paths import config_dir
 from inkfw.presets import report_parameters
 
 
-@hydra.main(config_path="../conf", config_name="count_params", version_base="1.3")
+@hydra.main(config_path=str(config_dir()), config_name="count_params", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     run_user_command(report_parameters, cfg)
 

@@ -4,10 +4,11 @@ import hydra
 from omegaconf import DictConfig
 
 from inkfw.cli import run_user_command
+from inkfw.paths import config_dir
 from inkfw.train.tokenizer import run_train_tokenizer
 
 
-@hydra.main(config_path="../conf", config_name="train_tokenizer", version_base="1.3")
+@hydra.main(config_path=str(config_dir()), config_name="train_tokenizer", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     run_user_command(run_train_tokenizer, cfg)
 

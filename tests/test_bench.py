@@ -7,7 +7,6 @@ Only the shape and consistency of the numbers are checked, never a speed.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +14,9 @@ from hydra import compose, initialize_config_dir
 
 from inkfw.bench import run_bench
 from inkfw.errors import ConfigError
+from inkfw.paths import config_dir
 
-CONF = Path(__file__).resolve().parent.parent / "conf"
+CONF = config_dir()
 TINY = [
     "model=inkling-debug",
     "batch_sizes=[1,2]",

@@ -170,7 +170,7 @@ def test_serving_config_overrides_and_errors():
 
 def test_serving_config_inside_a_running_hydra_app():
     """Called while another Hydra config is initialised (as inside ``@hydra.main``), it composes
-    conf/infer.yaml and leaves the running app's Hydra as it was."""
+    inkfw/conf/infer.yaml and leaves the running app's Hydra as it was."""
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         outer = compose("smoke")
         cfg = serving_config(["drafter=ngram"])

@@ -4,7 +4,7 @@
   ``save_pretrained`` (HF names resp. the release layout) -> ``inkfw.models.inkling.checkpoint.load_model`` ->
   same logits, over sequences longer than the sliding window and the relative-bias extent.
 * MTP: HF ``MtpModel`` (embedding source ``raw``, as HF 5.23 feeds it) -> inkfw ``mtp_chain``.
-* MTP vs a plain-torch restatement of design §2 (embedding source ``backbone_norm``).
+* MTP vs a plain-torch restatement of docs/design.md §1 (embedding source ``backbone_norm``).
 """
 
 from __future__ import annotations
@@ -291,7 +291,7 @@ def test_hf_mtp_forward_layer_ignores_sliding_window(tmp_path):
     assert (plain[:, w:] - windowed[:, w:]).abs().max() > 1e-2
 
 
-# --------------------------------------------------------------------------- MTP vs design §2
+# --------------------------------------------------------------------------- MTP vs docs/design.md §1
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)

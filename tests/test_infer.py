@@ -20,12 +20,13 @@ from omegaconf import OmegaConf, open_dict
 
 from inkfw.errors import CheckpointError, ConfigError, InkfwError
 from inkfw.infer import run_infer
+from inkfw.paths import config_dir
 from inkfw.prompts import DEMO_TEXT_PROMPTS, read_prompts_file
 from inkfw.reporting import write_json_atomic
 from inkfw.speculative.factory import build_engine
 
 ROOT = Path(__file__).resolve().parent.parent
-CONF = ROOT / "conf"
+CONF = config_dir()
 # the random-init debug preset (not the shipped checkpoint), a small KV pool, short runs
 FAST = ["model=inkling-debug", "device=cpu", "engine.max_model_len=96", "max_new_tokens=6"]
 CONTRACT_REQUEST_KEYS = {"prompt_token_ids", "token_ids", "text", "num_verify_steps", "num_draft_tokens",

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -13,9 +11,10 @@ from inkfw.errors import ConfigError
 from inkfw.models.inkling.config import InklingConfig
 from inkfw.models.inkling.flavours import FLAVOURS, PUBLISHED
 from inkfw.models.inkling.params import count_parameters
+from inkfw.paths import config_dir
 from inkfw.presets import build_model, model_config
 
-CONF = Path(__file__).resolve().parent.parent / "conf"
+CONF = config_dir()
 PRIMARY = sorted(p.stem for p in CONF.glob("*.yaml"))
 MODEL_PRESETS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
 

@@ -21,7 +21,8 @@ from inkfw.train.tasks import MtpTask, PretrainTask
 
 
 def _optim(lr: float, max_steps: int) -> dict:
-    """AdamW and the warm-up + cosine schedule as conf/optim/adamw.yaml and conf/scheduler/cosine.yaml build them."""
+    """AdamW and the warm-up + cosine schedule as inkfw/conf/optim/adamw.yaml and
+    inkfw/conf/scheduler/cosine.yaml build them."""
     return {
         "optimizer": partial(torch.optim.AdamW, lr=lr, betas=(0.9, 0.95), weight_decay=0.0),
         "scheduler": partial(warmup_cosine, warmup_steps=1, max_steps=max_steps, min_lr_ratio=0.1),

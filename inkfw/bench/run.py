@@ -23,8 +23,8 @@ Forward time includes the paged cache's reads and writes that the layers do insi
 minus that), a stricter view of the engine's cost.
 
 The options are infer's (``model``, ``drafter``, ``verifier``, ``sampler``, ``kv``, ``engine``,
-``mtp.depths``, ``spec.num_tokens``, ...) plus the benchmark's own (``conf/bench.yaml``).
-``drafters`` names the ``conf/drafter`` options to compare; the one ``drafter=`` selects keeps
+``mtp.depths``, ``spec.num_tokens``, ...) plus the benchmark's own (``inkfw/conf/bench.yaml``).
+``drafters`` names the ``inkfw/conf/drafter`` options to compare; the one ``drafter=`` selects keeps
 its ``drafter.*`` overrides. ``engine.max_num_seqs`` and ``engine.max_model_len`` are set per
 configuration (the batch size; prompt + tokens + k + one block).
 
@@ -100,7 +100,7 @@ def _positive_int(value: Any, what: str) -> int:
 
 
 def drafter_options() -> list[str]:
-    """The ``conf/drafter`` options a benchmark can compare."""
+    """The ``inkfw/conf/drafter`` options a benchmark can compare."""
     return sorted(p.stem for p in (config_dir() / "drafter").glob("*.yaml"))
 
 
@@ -114,7 +114,7 @@ def _drafter_names(value: Any) -> list[str]:
 
 
 def _drafter_node(cfg: Any, name: str) -> Any:
-    """The ``conf/drafter/<name>`` node; the one ``drafter=`` selected keeps its overrides."""
+    """The ``inkfw/conf/drafter/<name>`` node; the one ``drafter=`` selected keeps its overrides."""
     if drafter_kind(cfg.get("drafter")) == name:
         return cfg.drafter
     return serving_config([f"drafter={name}"]).drafter
@@ -156,7 +156,7 @@ def _prompts(gen: torch.Generator, batch: int, length: int, vocab: int) -> list[
 
 def _generate(case: Case, prompts: list[list[int]], max_new_tokens: int) -> tuple[float, list[list[int]]]:
     eng = case.engine
-    params = getattr(eng.sampler, "defaults", None)  # conf/sampler: greedy unless told otherwise
+    params = getattr(eng.sampler, "defaults", None)  # inkfw/conf/sampler: greedy unless told otherwise
     reqs = [eng.add_request(p, params, max_new_tokens=max_new_tokens) for p in prompts]
     t0 = time.perf_counter()
     eng.generate(reqs)

@@ -5,7 +5,7 @@ Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completion
 ``GET /metrics`` (Prometheus text). Requests take ``max_tokens`` (chat also
 ``max_completion_tokens``), ``temperature``, ``top_p``, ``top_k`` (an extension; -1 or 0: off),
 ``seed``, ``stop``, ``n`` (1 only) and ``stream_options.include_usage``; absent sampling
-values take the server's ``conf/sampler`` defaults (greedy), an absent ``max_tokens`` its
+values take the server's ``inkfw/conf/sampler`` defaults (greedy), an absent ``max_tokens`` its
 ``max_new_tokens``. ``return_token_ids: true`` adds ``prompt_token_ids`` and ``token_ids`` to
 the choice (as in vLLM). Every response (in a stream: the chunk that finishes) carries an
 ``inkfw`` field with the request's acceptance statistics: ``num_verify_steps``,

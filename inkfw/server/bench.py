@@ -147,7 +147,7 @@ def _options(cfg: Any) -> tuple[list[str], list[int], int, int]:
     n: Any = b.get("num_requests")
     max_tokens: Any = b.get("max_tokens")
     if not drafters or not all(isinstance(d, str) for d in drafters):
-        raise ConfigError(f"bench.drafters must be a list of conf/drafter options, got {drafters!r}.")
+        raise ConfigError(f"bench.drafters must be a list of inkfw/conf/drafter options, got {drafters!r}.")
     if not levels or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in levels):
         raise ConfigError(f"bench.concurrency must be a list of integers >= 1, got {levels!r}.")
     for name, v in (("bench.num_requests", n), ("bench.max_tokens", max_tokens)):

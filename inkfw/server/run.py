@@ -1,4 +1,4 @@
-"""``scripts/serve.py`` as a function: build the engine of ``conf/serve.yaml`` and serve it."""
+"""``scripts/serve.py`` as a function: build the engine of ``inkfw/conf/serve.yaml`` and serve it."""
 
 from __future__ import annotations
 

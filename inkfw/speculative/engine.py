@@ -57,7 +57,7 @@ def _is_int(v: object) -> bool:
 
 @dataclass
 class EngineConfig:
-    """Scheduling limits and checks of the engine: the ``conf/engine`` node, every field settable
+    """Scheduling limits and checks of the engine: the ``inkfw/conf/engine`` node, every field settable
     as ``engine.<field>=...``."""
 
     max_num_seqs: int = 16  # requests decoded together

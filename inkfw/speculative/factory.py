@@ -1,22 +1,22 @@
 """The engine factory: one function builds every :class:`~inkfw.speculative.engine.Engine`.
 
 infer, bench, the training module's validation acceptance, the tests and the server all call
-:func:`build_engine` with a composed serving config (``conf/infer.yaml``, or
+:func:`build_engine` with a composed serving config (``inkfw/conf/infer.yaml``, or
 :func:`serving_config` with overrides) and, optionally, a model they already hold.
 
 The config's serving keys:
 
-* ``model``: a ``conf/model`` node (random-init ``sizes`` or a checkpoint ``path``), used only
+* ``model``: a ``inkfw/conf/model`` node (random-init ``sizes`` or a checkpoint ``path``), used only
   when no model is given, and for its tokenizer;
-* ``drafter`` / ``verifier`` / ``sampler`` / ``kv``: ``_partial_`` nodes of ``conf/drafter``,
-  ``conf/verifier``, ``conf/sampler`` and ``conf/kv``; the factory adds what is only known at
+* ``drafter`` / ``verifier`` / ``sampler`` / ``kv``: ``_partial_`` nodes of ``inkfw/conf/drafter``,
+  ``inkfw/conf/verifier``, ``inkfw/conf/sampler`` and ``inkfw/conf/kv``; the factory adds what is only known at
   run time. The sampler gets ``device``; the drafter ``model``, ``num_tokens``, ``num_depths``
   and ``sampler``; the verifier ``model`` and ``sampler``; the KV manager ``model``,
   ``num_draft_depths``, ``lookahead``, ``num_draft_tokens``, ``max_model_len``,
   ``max_num_seqs`` and ``max_num_batched_tokens`` (each only the ones its signature names,
   unless it takes ``**kwargs``). Drafter and verifier share the one sampler, which the engine
   also uses for per-request generators;
-* ``engine``: the ``conf/engine`` node, instantiated as is
+* ``engine``: the ``inkfw/conf/engine`` node, instantiated as is
   (``_target_: inkfw.speculative.engine.EngineConfig``);
 * ``mtp.depths`` (D, null: all that ship), ``mtp.embed_source``, ``spec.num_tokens`` (k,
   null: D), ``device``, ``dtype``.
@@ -44,7 +44,7 @@ from inkfw.paths import config_dir
 from inkfw.presets import build_model, plain, resolve_path
 from inkfw.speculative.engine import Engine, EngineConfig
 
-SERVING_CONFIG = "infer"  # conf/infer.yaml: the config scripts/infer.py composes
+SERVING_CONFIG = "infer"  # inkfw/conf/infer.yaml: the config scripts/infer.py composes
 DEFAULT_NGRAM_TOKENS = 4  # k for drafter=ngram when neither spec.num_tokens nor any depth says otherwise
 DRAFTER_NAMES = {"MtpDrafter": "mtp", "NgramDrafter": "ngram", "NoDrafter": "none"}
 
@@ -65,7 +65,7 @@ def _own_global_hydra() -> Iterator[None]:
 
 
 def serving_config(overrides: Sequence[str] | None = None) -> DictConfig:
-    """``conf/infer.yaml`` composed with Hydra-style ``overrides`` (e.g. ``["drafter=none",
+    """``inkfw/conf/infer.yaml`` composed with Hydra-style ``overrides`` (e.g. ``["drafter=none",
     "engine.max_num_seqs=4"]``): the config the CLI builds its engine from. Works inside or
     outside a running Hydra app; a bad override raises :class:`ConfigError`."""
     overrides = [str(o) for o in overrides or []]
@@ -127,7 +127,7 @@ def _instantiate(group: str, node: Any, **kwargs: Any) -> Any:
 
 
 def engine_config(cfg: Any) -> EngineConfig:
-    """The ``engine`` node instantiated (``conf/engine``: its ``_target_`` is
+    """The ``engine`` node instantiated (``inkfw/conf/engine``: its ``_target_`` is
     :class:`EngineConfig`) and validated; a node without ``_target_`` is taken as its fields."""
     node = cfg.get("engine") if hasattr(cfg, "get") else None
     if node is None:

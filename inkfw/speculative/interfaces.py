@@ -1,7 +1,7 @@
 """The seams of the speculative engine, as small protocols.
 
-The engine only talks to these; Hydra groups (``conf/drafter``, ``conf/verifier``,
-``conf/sampler``, ``conf/kv``) pick the implementations and
+The engine only talks to these; Hydra groups (``inkfw/conf/drafter``, ``inkfw/conf/verifier``,
+``inkfw/conf/sampler``, ``inkfw/conf/kv``) pick the implementations and
 :func:`~inkfw.speculative.factory.build_engine` builds them. Positions follow
 docs/design.md §3: a request with ``L`` committed tokens has final target state for positions
 ``< L - 1``; a verify step runs the target over ``[x[L-1], d_1 .. d_k]`` at positions
@@ -167,7 +167,7 @@ class TokenSampler(Protocol):
 class Drafter(Protocol):
     """Proposes up to ``num_tokens`` drafts per request and verify step.
 
-    Built by the factory from ``conf/drafter`` with the run-time arguments it names of
+    Built by the factory from ``inkfw/conf/drafter`` with the run-time arguments it names of
     ``model``, ``num_tokens``, ``num_depths`` and ``sampler``.
     """
 
@@ -195,7 +195,7 @@ class Verdict:
 class Verifier(Protocol):
     """Runs the target over ``[last token, drafts]`` and decides acceptance.
 
-    Built by the factory from ``conf/verifier`` with the run-time arguments it names of
+    Built by the factory from ``inkfw/conf/verifier`` with the run-time arguments it names of
     ``model`` and ``sampler``.
     """
 

@@ -195,7 +195,7 @@ class Sampler:
     Each request owns one generator (from :meth:`generator`) for its whole life and passes
     it back on every call; greedy rows are decided by argmax and consume no randomness.
 
-    ``temperature``, ``top_k``, ``top_p`` and ``seed`` are optional defaults (``conf/sampler``)
+    ``temperature``, ``top_k``, ``top_p`` and ``seed`` are optional defaults (``inkfw/conf/sampler``)
     that :attr:`defaults` holds as validated :class:`SamplingParams` for requests that bring
     none of their own; they change nothing else the sampler does.
     """

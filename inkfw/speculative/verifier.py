@@ -28,7 +28,7 @@ from inkfw.speculative.sampling import Sampler
 
 
 class TargetVerifier:
-    """``conf/verifier/target.yaml``: the target model decides, losslessly."""
+    """``inkfw/conf/verifier/target.yaml``: the target model decides, losslessly."""
 
     def __init__(self, model: TargetModel, sampler: TokenSampler | None = None):
         self.model = model

@@ -195,7 +195,7 @@ class ResumableLoader:
 class TextDataModule(L.LightningDataModule):
     """Packed rows ``(input_ids [T], doc_ids [T])`` of a deterministic train/validation split.
 
-    The ``conf/data`` nodes target this class; ``scripts/train.py`` adds what the model decides
+    The ``inkfw/conf/data`` nodes target this class; ``scripts/train.py`` adds what the model decides
     (``eos_id``, ``vocab_size``) and the checkpoint's tokenizer when ``tokenizer`` is null.
     Nothing is read before :meth:`setup`.
     """
@@ -276,7 +276,7 @@ def heldout_prompts(
 
 
 def write_heldout_prompts(cfg) -> Path:
-    """``scripts/heldout_prompts.py``: held-out prompts as JSON lines, from ``conf/heldout_prompts.yaml``."""
+    """``scripts/heldout_prompts.py``: held-out prompts as JSON lines, from ``inkfw/conf/heldout_prompts.yaml``."""
     rows = heldout_prompts(
         list(cfg.sources), float(cfg.val_fraction), int(cfg.seed), int(cfg.num_prompts), int(cfg.prompt_chars)
     )

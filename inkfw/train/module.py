@@ -2,7 +2,7 @@
 
 What differs between tasks (which parameters train, the loss) is the task object's
 (:mod:`inkfw.train.tasks`); the optimizer and the learning-rate schedule are callables built
-from ``conf/optim`` and ``conf/scheduler``. Every task logs per-depth CE / KL, top-1
+from ``inkfw/conf/optim`` and ``inkfw/conf/scheduler``. Every task logs per-depth CE / KL, top-1
 agreement with the backbone's greedy token and the simulated acceptance length, and after
 each validation the real engine's mean acceptance length, so a run shows what serving will see.
 
@@ -26,8 +26,8 @@ from inkfw.errors import ConfigError
 from inkfw.models.inkling.model import InklingLM
 from inkfw.train.tasks import Batch, Logs, TrainTask
 
-OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], Optimizer]  # conf/optim: _partial_ node
-SchedulerFactory = Callable[[Optimizer], LRScheduler]  # conf/scheduler: _partial_ node
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], Optimizer]  # inkfw/conf/optim: _partial_ node
+SchedulerFactory = Callable[[Optimizer], LRScheduler]  # inkfw/conf/scheduler: _partial_ node
 
 
 class InklingTrainModule(L.LightningModule):

@@ -1,4 +1,4 @@
-"""Learning-rate schedules (``conf/scheduler/``): linear warm-up, then cosine decay or constant.
+"""Learning-rate schedules (``inkfw/conf/scheduler/``): linear warm-up, then cosine decay or constant.
 
 Each node is ``_partial_``: the training module calls it with the optimizer. The factor of
 step ``s`` (0-based, one step per optimizer update) multiplies the optimizer's ``lr``:

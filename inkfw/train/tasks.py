@@ -1,4 +1,4 @@
-"""What differs between the training tasks of ``scripts/train.py`` (``conf/task/``).
+"""What differs between the training tasks of ``scripts/train.py`` (``inkfw/conf/task/``).
 
 A task builds the model, chooses what trains, and computes the loss of a batch; the
 LightningModule (:mod:`inkfw.train.module`) delegates all three to it.
@@ -41,7 +41,7 @@ Logs = dict[str, float | torch.Tensor]
 
 @dataclass
 class TrainTask(ABC):
-    """A task's options (the ``conf/task`` node) and what it does with a model."""
+    """A task's options (the ``inkfw/conf/task`` node) and what it does with a model."""
 
     name: str  # names the run: output_dir runs/<name>, the logger's run name
     objective: str = "ce"  # depth loss: ce (true tokens) | kl (self-distillation to the backbone)
@@ -60,7 +60,7 @@ class TrainTask(ABC):
         self, model_node: Any, depths: int | None, embed_source: EmbedSource
     ) -> tuple[InklingLM, Path | None]:
         """(the model to train with ``depths`` MTP depths, in train mode; the checkpoint's
-        tokenizer.json or None). ``model_node`` is a ``conf/model`` node."""
+        tokenizer.json or None). ``model_node`` is a ``inkfw/conf/model`` node."""
 
     @abstractmethod
     def prepare(self, model: InklingLM) -> None:

@@ -36,7 +36,7 @@ def train_tokenizer(sources: list[str], vocab_size: int, out: str | Path, max_do
 
 
 def run_train_tokenizer(cfg) -> Path:
-    """``scripts/train_tokenizer.py``: train and save, from ``conf/train_tokenizer.yaml``."""
+    """``scripts/train_tokenizer.py``: train and save, from ``inkfw/conf/train_tokenizer.yaml``."""
     out = train_tokenizer(list(cfg.sources), int(cfg.vocab_size), cfg.out, cfg.max_documents)
     print(f"wrote {out}")
     return out

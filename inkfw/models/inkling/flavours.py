@@ -1,4 +1,4 @@
-"""Named Inkling sizes ("flavours"). A ``conf/model/*.yaml`` preset names one (``flavour: debug``)
+"""Named Inkling sizes ("flavours"). A ``inkfw/conf/model/*.yaml`` preset names one (``flavour: debug``)
 and may override single fields (``+model.sizes.num_layers=2``).
 
 ``release`` and ``small`` are the published checkpoints' layouts; where the public record says
@@ -54,7 +54,7 @@ FLAVOURS: dict[str, dict[str, Any]] = {  # InklingConfig fields per flavour
         mtp=MtpConfig(num_nextn_predict_layers=8, chain_hidden_post_norm=True, local_layer_ids=[0, 2, 4, 6]),
     ),
     # the architecture of the shipped checkpoints/inkling-tiny (trained from scratch by
-    # conf/experiment/inkling-tiny-pretrain.yaml): local except 5 and 11 (global, log scaling);
+    # inkfw/conf/experiment/inkling-tiny-pretrain.yaml): local except 5 and 11 (global, log scaling);
     # 0-1 dense, 2-11 MoE (4 routed + 1 sink); 8 MTP depths, local at even depths
     "tiny": dict(
         vocab_size=4096, unpadded_vocab_size=4096, hidden_size=128, num_layers=12,
