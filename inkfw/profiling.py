@@ -35,8 +35,9 @@ def aten_op_histogram(fn: Callable[[], Any], nested: bool = False) -> Counter[st
     the top-level ones, or with ``nested`` every op including those other ops call."""
     with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
-    return Counter(e.name for e in prof.events() or []
-                   if e.name.startswith("aten::") and (nested or _is_top_level_aten(e)))
+    return Counter(
+        e.name for e in prof.events() or [] if e.name.startswith("aten::") and (nested or _is_top_level_aten(e))
+    )
 
 
 def count_aten_ops(fn: Callable[[], Any], nested: bool = False) -> int:
@@ -80,8 +81,7 @@ def one_token_forwards(model, context: int = 32, seed: int = 0) -> dict[str, Cal
     prefix_positions = torch.arange(context, device=device)[None]  # [1, context]
 
     dense = DenseModelCache(model, batch=1, max_len=context + 8)
-    kv = PagedKVManager(model, block_size=16, max_model_len=context + 8, max_num_seqs=1,
-                        enable_prefix_caching=False)
+    kv = PagedKVManager(model, block_size=16, max_model_len=context + 8, max_num_seqs=1, enable_prefix_caching=False)
     kv.add("r", prompt[0].tolist())
     kv.ensure("r", target_end=context + 1, draft_end=0)
     valid_prefix = torch.ones_like(prefix_positions, dtype=torch.bool)
@@ -123,16 +123,23 @@ def report_one_token_ops(cfg: Any) -> dict[str, dict[str, float]]:
         torch.set_num_threads(int(cfg.threads))
     model = build_model(cfg.model, mtp_depths=cfg.mtp.depths, dtype=cfg.dtype, device=cfg.device)
     if context + 1 > model.cfg.max_position_embeddings:
-        raise ConfigError(f"context {context} leaves no position for the token "
-                          f"(max_position_embeddings={model.cfg.max_position_embeddings}).")
+        raise ConfigError(
+            f"context {context} leaves no position for the token "
+            f"(max_position_embeddings={model.cfg.max_position_embeddings})."
+        )
     forwards = one_token_forwards(model, context=context)
     results = {}
     for mode in modes:
         fn = forwards[mode]
-        results[mode] = {"top_level_ops": count_aten_ops(fn), "nested_ops": count_aten_ops(fn, nested=True),
-                         "wall_ms": 1e3 * wall_time(fn, repeats=repeats)}
-    table = Table(title=f"1-token forward of {cfg.model.get('path') or cfg.model.name} at position {context} "
-                        f"({torch.get_num_threads()} threads)")
+        results[mode] = {
+            "top_level_ops": count_aten_ops(fn),
+            "nested_ops": count_aten_ops(fn, nested=True),
+            "wall_ms": 1e3 * wall_time(fn, repeats=repeats),
+        }
+    table = Table(
+        title=f"1-token forward of {cfg.model.get('path') or cfg.model.name} at position {context} "
+        f"({torch.get_num_threads()} threads)"
+    )
     for column in ("forward", "top-level aten ops", "all aten ops", "eager ms (median)"):
         table.add_column(column, justify="left" if column == "forward" else "right")
     for mode, r in results.items():

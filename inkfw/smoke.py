@@ -24,8 +24,9 @@ def smoke_run(cfg: Any) -> dict[str, Any]:
     console = Console()
     if int(cfg.max_new_tokens) < 1 or int(cfg.batch_size) < 1:
         raise ConfigError("max_new_tokens and batch_size must be >= 1.")
-    model = build_model(cfg.model, mtp_depths=cfg.mtp.depths, dtype=cfg.dtype, device=cfg.device,
-                        embed_source=cfg.mtp.embed_source)
+    model = build_model(
+        cfg.model, mtp_depths=cfg.mtp.depths, dtype=cfg.dtype, device=cfg.device, embed_source=cfg.mtp.embed_source
+    )
     mcfg = model.cfg
     g = torch.Generator().manual_seed(int(cfg.seed))
     if cfg.prompt_token_ids is not None:
@@ -57,7 +58,7 @@ def smoke_run(cfg: Any) -> dict[str, Any]:
         # check: the cached hidden state of the last token equals an uncached forward
         full = model(seq)
         max_diff = (full[:, -1] - hidden[:, -1]).abs().max().item()
-        uncached_greedy = model.logits(full[:, T0 - 1:-1]).argmax(-1)
+        uncached_greedy = model.logits(full[:, T0 - 1 : -1]).argmax(-1)
         greedy_match = bool((uncached_greedy == seq[:, T0:]).all())
         # one drafting round after the sequence: the target's next token, then one draft per depth
         drafts = greedy_reference_drafts(model, seq, hidden=full)[:, 1:].T.tolist() if model.mtp is not None else []

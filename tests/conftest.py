@@ -11,10 +11,9 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from helpers.models import randomize_, tiny_config  # noqa: E402
-
-from inkfw.models.inkling.config import InklingConfig  # noqa: E402
-from inkfw.models.inkling.model import InklingLM  # noqa: E402
+from helpers.models import randomize_, tiny_config
+from inkfw.models.inkling.config import InklingConfig
+from inkfw.models.inkling.model import InklingLM
 
 
 @pytest.fixture
@@ -26,6 +25,7 @@ def cfg() -> InklingConfig:
 def model(cfg) -> InklingLM:
     torch.manual_seed(0)
     return randomize_(InklingLM(cfg, mtp_depths=cfg.mtp.num_nextn_predict_layers)).eval()
+
 
 # tiny models: one intra-op thread is faster and immune to other jobs on a shared machine
 torch.set_num_threads(1)

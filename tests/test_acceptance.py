@@ -36,8 +36,13 @@ def chisq_p(tokens: torch.Tensor, probs: torch.Tensor) -> float:
     return float(chisquare(counts.numpy(), expected.numpy()).pvalue)
 
 
-def sample_step(drafts: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor, num_drafts: torch.Tensor | None,
-                generators: Generators) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_step(
+    drafts: torch.Tensor,
+    q: torch.Tensor | None,
+    p: torch.Tensor,
+    num_drafts: torch.Tensor | None,
+    generators: Generators,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One rejection-sampling step as the verifier runs it: the sampler draws the step's random
     numbers from ``generators``, the pure :func:`rejection_sample` decides."""
     B, k = drafts.shape
@@ -74,15 +79,17 @@ def one_hot_logits(tokens: list[list[int]], vocab: int = 10) -> torch.Tensor:
 
 def test_greedy_accept_hand_cases():
     target = [1, 2, 3, 4]
-    drafts = torch.tensor([
-        [1, 2, 3],  # all accepted -> bonus 4
-        [5, 2, 3],  # none accepted -> bonus 1
-        [1, 2, 7],  # two accepted -> bonus 3
-        [1, 9, 3],  # one accepted; the later match does not count -> bonus 2
-        [1, 2, 3],  # num_drafts 1: the matching padding is never accepted -> bonus 2
-        [1, 2, 3],  # num_drafts 0: plain greedy decoding -> bonus 1
-        [-1, -1, -1],  # num_drafts 0 with junk padding
-    ])
+    drafts = torch.tensor(
+        [
+            [1, 2, 3],  # all accepted -> bonus 4
+            [5, 2, 3],  # none accepted -> bonus 1
+            [1, 2, 7],  # two accepted -> bonus 3
+            [1, 9, 3],  # one accepted; the later match does not count -> bonus 2
+            [1, 2, 3],  # num_drafts 1: the matching padding is never accepted -> bonus 2
+            [1, 2, 3],  # num_drafts 0: plain greedy decoding -> bonus 1
+            [-1, -1, -1],  # num_drafts 0 with junk padding
+        ]
+    )
     num_drafts = torch.tensor([3, 3, 3, 3, 1, 0, 0])
     logits = one_hot_logits([target] * drafts.shape[0])
     num_accepted, bonus = greedy_accept(drafts, logits, num_drafts)
@@ -113,14 +120,16 @@ def test_rejection_sample_with_one_hot_target_is_greedy():
     logits = torch.randn(B, k + 1, vocab, generator=g)
     target_tokens = logits.argmax(-1)
     # drafts agree with the target most of the time, so all prefix lengths occur
-    drafts = torch.where(torch.rand(B, k, generator=g) < 0.7, target_tokens[:, :k],
-                         torch.randint(0, vocab, (B, k), generator=g))
+    drafts = torch.where(
+        torch.rand(B, k, generator=g) < 0.7, target_tokens[:, :k], torch.randint(0, vocab, (B, k), generator=g)
+    )
     num_drafts = torch.randint(0, k + 1, (B,), generator=g)
     q = torch.softmax(torch.randn(B, k, vocab, generator=g), -1)
     expected = greedy_accept(drafts, logits, num_drafts)
     for draft_probs in (q, None):
-        got = sample_step(drafts, draft_probs, F.one_hot(target_tokens, vocab).float(), num_drafts,
-                               torch.Generator().manual_seed(2))
+        got = sample_step(
+            drafts, draft_probs, F.one_hot(target_tokens, vocab).float(), num_drafts, torch.Generator().manual_seed(2)
+        )
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
@@ -139,10 +148,13 @@ def test_rejection_sample_follows_its_draws():
     assert step(0.59, 0.30) == (2, 0)  # both accepted; bonus from p_2 = [.1, .1, .8] with this noise: 0
     assert step(0.61, 0.30) == (0, 0)  # rejected at 0: residual [.25, 0, 0]
     assert step(0.59, 0.34) == (1, 2)  # rejected at 1: residual [0, 0, .4]
-    assert rejection_sample(drafts, q, p, torch.tensor([[0.59, 0.30]], dtype=torch.float64),
-                            torch.ones(1, 3))[1].item() == 2  # plain noise: the bonus is p_2's mode
-    a, nxt = rejection_sample(drafts, q, p, torch.tensor([[0.59, 0.30]], dtype=torch.float64), noise,
-                              torch.tensor([1]))  # one real draft: the bonus comes from p_1
+    assert (
+        rejection_sample(drafts, q, p, torch.tensor([[0.59, 0.30]], dtype=torch.float64), torch.ones(1, 3))[1].item()
+        == 2
+    )  # plain noise: the bonus is p_2's mode
+    a, nxt = rejection_sample(
+        drafts, q, p, torch.tensor([[0.59, 0.30]], dtype=torch.float64), noise, torch.tensor([1])
+    )  # one real draft: the bonus comes from p_1
     assert (int(a[0]), int(nxt[0])) == (1, 0)
 
 
@@ -278,11 +290,16 @@ def test_per_row_generators_ignore_batch_composition():
 
     together = sample_step(drafts, q, p, num_drafts, gens(range(4)))
     for r in range(4):
-        alone = sample_step(drafts[r:r + 1], q[r:r + 1], p[r:r + 1], num_drafts[r:r + 1], gens([r]))
+        alone = sample_step(drafts[r : r + 1], q[r : r + 1], p[r : r + 1], num_drafts[r : r + 1], gens([r]))
         assert alone[0].item() == together[0][r].item() and alone[1].item() == together[1][r].item()
     # a row's outcome does not depend on the batch's padded width either
-    wide = sample_step(torch.cat([drafts, drafts[:, :1]], 1), torch.cat([q, q[:, :1]], 1),
-                            torch.cat([p, p[:, :1]], 1), num_drafts, gens(range(4)))
+    wide = sample_step(
+        torch.cat([drafts, drafts[:, :1]], 1),
+        torch.cat([q, q[:, :1]], 1),
+        torch.cat([p, p[:, :1]], 1),
+        num_drafts,
+        gens(range(4)),
+    )
     assert torch.equal(wide[0], together[0]) and torch.equal(wide[1], together[1])
 
 

@@ -10,10 +10,9 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers.models import randomize_, tiny_config
 from inkfw.cache.dense import DenseModelCache
 from inkfw.models.inkling.model import InklingLM
-
-from helpers.models import randomize_, tiny_config
 
 VOCAB = 90
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -72,7 +71,7 @@ def mtp_streams(model: InklingLM, seq: torch.Tensor, depth: int):
         chain = model.mtp_chain(h, seq[None], num_depths=depth + 1)
     g_in = h if depth == 0 else chain[depth - 1]
     ids = torch.zeros_like(seq)  # x[t+depth+1], 0 past the end
-    ids[: max(0, len(seq) - depth - 1)] = seq[depth + 1:]
+    ids[: max(0, len(seq) - depth - 1)] = seq[depth + 1 :]
     return (g_in[0], ids), chain[depth][0]
 
 
@@ -96,8 +95,7 @@ def test_chunked_prefill_and_decode_rows_at_different_offsets(model):
         calls.append([span(c, T) for c in cursor])
         cursor = [c + T for c in cursor]
     assert cursor == [L0, L0 + lead]
-    got = run(backbone_step(model, cache), [(s,) for s in seqs], [(wrong_ids(s),) for s in seqs],
-              calls, 40, H)
+    got = run(backbone_step(model, cache), [(s,) for s in seqs], [(wrong_ids(s),) for s in seqs], calls, 40, H)
     check(got, refs)
 
 
@@ -122,8 +120,9 @@ def test_cached_logits_match(model):
         ref = model.logits(model(seq[None]))
         cache = DenseModelCache(model, batch=1, max_len=20)
         pre = model.logits(model(seq[None, :12], torch.arange(12)[None], caches=cache.layers))
-        dec = [model.logits(model(seq[None, t: t + 1], torch.tensor([[t]]), caches=cache.layers))
-               for t in range(12, 20)]
+        dec = [
+            model.logits(model(seq[None, t : t + 1], torch.tensor([[t]]), caches=cache.layers)) for t in range(12, 20)
+        ]
     torch.testing.assert_close(torch.cat([pre, *dec], dim=1), ref, **TOL)
     assert ref.shape[-1] == model.cfg.logits_vocab_size
 
@@ -154,8 +153,11 @@ def test_rejected_positions_are_overwritten(model, resume):
     with torch.no_grad():
         refs = [model(s[None])[0] for s in seqs]
     cache = DenseModelCache(model, batch=2, max_len=L)
-    calls = [[span(0, 4), span(0, 4)], [span(4, n - 4), span(4, n - 4)],
-             [span(n, 5, wrong_from=2), span(n, 5, wrong_from=0)]]
+    calls = [
+        [span(0, 4), span(0, 4)],
+        [span(4, n - 4), span(4, n - 4)],
+        [span(n, 5, wrong_from=2), span(n, 5, wrong_from=0)],
+    ]
     cursor = [n + 2, n]
     for T in resume + [1] * 64:
         if cursor[0] >= L:
@@ -217,9 +219,9 @@ def test_mtp_chain_through_caches(model):
         c = 0
         for T in [4, 1, 6, 1, 1, 3, 1, 1, 1, 1]:
             pos = torch.arange(c, c + T)[None]
-            g = h[:, c: c + T]
+            g = h[:, c : c + T]
             for d in range(len(chain)):
-                ids = F.pad(seq[None, d + 1:], (0, d + 1))[:, c: c + T]
+                ids = F.pad(seq[None, d + 1 :], (0, d + 1))[:, c : c + T]
                 g = model.mtp_step(d, g, ids, pos, cache=cache.mtp[d])
                 outs[d].append(g)
             c += T

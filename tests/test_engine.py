@@ -72,8 +72,9 @@ def test_greedy_mtp_equals_none(model, case):
     seqs = [16, 3][case % 5 == 4]  # fewer slots than requests: a queue
     new = rng.randint(8, 12)
     ref, _, _ = generate(model, NO_DRAFTER, prompts, new, prefix_caching=prefix, check_drafts=False)
-    reqs, eng, _ = generate(model, mtp(D, k), prompts, new,
-                            prefix_caching=prefix, max_num_batched_tokens=budget, max_num_seqs=seqs)
+    reqs, eng, _ = generate(
+        model, mtp(D, k), prompts, new, prefix_caching=prefix, max_num_batched_tokens=budget, max_num_seqs=seqs
+    )
     assert outputs(reqs) == outputs(ref)
     assert eng.metrics.num_draft_tokens > 0
 
@@ -116,8 +117,9 @@ def test_preemption_keeps_greedy_output(model, prefix):
     prompts = random_prompts(rng, 8, VOCAB, lo=10, hi=40)
     prompts[1] = prompts[0][:30] + prompts[1][:4]
     ref, _, _ = generate(model, NO_DRAFTER, prompts, 12, check_drafts=False)
-    reqs, _, _ = generate(model, mtp(3, 5), prompts, 12,
-                          prefix_caching=prefix, num_blocks=24, max_num_batched_tokens=32)
+    reqs, _, _ = generate(
+        model, mtp(3, 5), prompts, 12, prefix_caching=prefix, num_blocks=24, max_num_batched_tokens=32
+    )
     assert max(r.num_preemptions for r in reqs) > 0
     assert outputs(reqs) == outputs(ref)
 
@@ -172,8 +174,15 @@ def test_random_acceptance_drafts_match_reference(model, D, k):
     rng = random.Random(100 * D + k)
     prompts = [[rng.randrange(VOCAB)], [rng.randrange(VOCAB) for _ in range(2)]] + random_prompts(rng, 6, VOCAB)
     params = [SamplingParams(), SamplingParams(), SamplingParams(temperature=1.0, seed=1)] + [SamplingParams()] * 5
-    _, eng, _ = generate(model, mtp(D, k), prompts, [20, 20, 20, 1, 3, 20, 20, 20], params=params,
-                         verifier=random_accept(seed=D * 10 + k), max_num_batched_tokens=[512, 9][k % 2])
+    _, eng, _ = generate(
+        model,
+        mtp(D, k),
+        prompts,
+        [20, 20, 20, 1, 3, 20, 20, 20],
+        params=params,
+        verifier=random_accept(seed=D * 10 + k),
+        max_num_batched_tokens=[512, 9][k % 2],
+    )
     verifier = eng.verifier
     seen = {a for _, _, _, a, _ in verifier.history}
     assert seen == set(range(k + 1)), f"acceptance counts seen: {sorted(seen)}"
@@ -184,10 +193,10 @@ def test_random_acceptance_chunked_prefix_cached(model):
     """Random acceptance with prefix hits, chunked prefill and preemption, all at once."""
     rng = random.Random(5)
     base = random_prompts(rng, 1, VOCAB, lo=30, hi=30)[0]
-    prompts = [base[: rng.randint(20, 30)] + [rng.randrange(VOCAB) for _ in range(rng.randint(0, 5))]
-               for _ in range(8)]
-    reqs, eng, _ = generate(model, mtp(3, 6), prompts, 14, verifier=random_accept(seed=3),
-                            num_blocks=16, max_num_batched_tokens=11)
+    prompts = [base[: rng.randint(20, 30)] + [rng.randrange(VOCAB) for _ in range(rng.randint(0, 5))] for _ in range(8)]
+    reqs, eng, _ = generate(
+        model, mtp(3, 6), prompts, 14, verifier=random_accept(seed=3), num_blocks=16, max_num_batched_tokens=11
+    )
     verifier = eng.verifier
     assert max(r.num_preemptions for r in reqs) > 0
     assert max(a for _, _, _, a, _ in verifier.history) == 6
@@ -236,8 +245,11 @@ def test_finish_inside_accepted_drafts(model, monkeypatch):
     last_step = {}
     for rid, _step, _, a, emitted in second.history:
         last_step[rid] = (a, emitted)
-    assert any(r.output_token_ids[-1] == eos and last_step[r.id][1].index(eos) < last_step[r.id][0]
-               for r in reqs if r.output_token_ids and r.output_token_ids[-1] == eos)
+    assert any(
+        r.output_token_ids[-1] == eos and last_step[r.id][1].index(eos) < last_step[r.id][0]
+        for r in reqs
+        if r.output_token_ids and r.output_token_ids[-1] == eos
+    )
 
 
 @pytest.mark.parametrize("D,k", [(2, 2), (3, 5), (3, 3)])
@@ -247,8 +259,9 @@ def test_sampled_drafts_match_reference_with_real_acceptance(small_vocab_model, 
     m = small_vocab_model
     rng = random.Random(D + k)
     prompts = random_prompts(rng, 8, 12, lo=1, hi=24)
-    params = [SamplingParams(temperature=1.0, seed=i, top_k=[None, 5][i % 2], top_p=[1.0, 0.9][i % 3 == 0])
-              for i in range(8)]
+    params = [
+        SamplingParams(temperature=1.0, seed=i, top_k=[None, 5][i % 2], top_p=[1.0, 0.9][i % 3 == 0]) for i in range(8)
+    ]
     reqs, eng, _ = generate(m, mtp(D, k), prompts, 14, params=params)
     assert eng.metrics.num_accepted_tokens > 0.1 * eng.metrics.num_draft_tokens
     assert eng.metrics.accepted_per_position[k - 1] > 0
@@ -309,14 +322,17 @@ def test_check_drafts_catches_wrong_decode_depth(model):
 
 
 # --------------------------------------------------------------------------- bad requests
-@pytest.mark.parametrize("prompt,kw,needle", [
-    ([], {}, "empty"),
-    ([1, 2, -1], {}, "token ids must lie in"),
-    ([1, 128], {}, "token ids must lie in"),
-    (list(range(1, 41)), {}, "model limit is 40"),
-    ([1, 2, 3], {"max_new_tokens": 0}, "max_new_tokens"),
-    ([1, 2, 3], {"max_new_tokens": 2.5}, "max_new_tokens"),
-])
+@pytest.mark.parametrize(
+    "prompt,kw,needle",
+    [
+        ([], {}, "empty"),
+        ([1, 2, -1], {}, "token ids must lie in"),
+        ([1, 128], {}, "token ids must lie in"),
+        (list(range(1, 41)), {}, "model limit is 40"),
+        ([1, 2, 3], {"max_new_tokens": 0}, "max_new_tokens"),
+        ([1, 2, 3], {"max_new_tokens": 2.5}, "max_new_tokens"),
+    ],
+)
 def test_bad_request_is_refused_and_others_complete(model, prompt, kw, needle):
     eng, kv = make_engine(model, mtp(2, 3), max_model_len=40)
     good = [eng.add_request([5, 6, 7], max_new_tokens=6)]

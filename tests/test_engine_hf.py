@@ -25,8 +25,11 @@ def exported(tmp_path_factory):
     cfg = tiny_config(max_position_embeddings=256)
     torch.manual_seed(0)
     model = randomize_(InklingLM(cfg, mtp_depths=3), seed=5).eval()
-    out = export_checkpoint(model, tmp_path_factory.mktemp("engine_hf") / "ckpt",
-                            extra_config={"vision_config": dict(TINY_VISION), "audio_config": dict(TINY_AUDIO)})
+    out = export_checkpoint(
+        model,
+        tmp_path_factory.mktemp("engine_hf") / "ckpt",
+        extra_config={"vision_config": dict(TINY_VISION), "audio_config": dict(TINY_AUDIO)},
+    )
     return out
 
 
@@ -40,15 +43,27 @@ def hf_outputs(exported):
     with torch.no_grad():
         for p in PROMPTS:  # batch 1: no padding
             ids = torch.tensor([p])
-            gen = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW,
-                              eos_token_id=eos, pad_token_id=0)
-            outs.append(gen[0, len(p):].tolist())
+            gen = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=NEW,
+                eos_token_id=eos,
+                pad_token_id=0,
+            )
+            outs.append(gen[0, len(p) :].tolist())
     return outs
 
 
 def _engine_outputs(model, drafter: list[str], max_num_batched_tokens: int = 512) -> list[list[int]]:
-    eng, kv = make_engine(model, drafter, num_blocks=64, max_model_len=64, check_drafts=True,
-                          max_num_batched_tokens=max_num_batched_tokens)
+    eng, kv = make_engine(
+        model,
+        drafter,
+        num_blocks=64,
+        max_model_len=64,
+        check_drafts=True,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
     reqs = [eng.add_request(p, max_new_tokens=NEW) for p in PROMPTS]
     eng.generate(reqs)
     assert kv.is_whole()

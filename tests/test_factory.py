@@ -25,8 +25,13 @@ from inkfw.speculative.verifier import TargetVerifier
 
 GROUPS = ("drafter", "verifier", "sampler", "kv", "engine")
 # a value other than the default for every EngineConfig field, as a command line writes it
-NON_DEFAULT = {"max_num_seqs": ("3", 3), "max_num_batched_tokens": ("40", 40), "max_model_len": ("64", 64),
-               "check_drafts": ("true", True), "check_drafts_atol": ("0.5", 0.5)}
+NON_DEFAULT = {
+    "max_num_seqs": ("3", 3),
+    "max_num_batched_tokens": ("40", 40),
+    "max_model_len": ("64", 64),
+    "check_drafts": ("true", True),
+    "check_drafts_atol": ("0.5", 0.5),
+}
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +71,12 @@ def test_every_engine_field_is_an_override(model, field):
 def test_check_drafts_atol_reaches_the_check(model, atol, passes):
     """Draft logits off by 0.01 (argmax unchanged): the default tolerance (1e-3) catches them,
     engine.check_drafts_atol=0.5 lets them through."""
-    engine = built(model, *mtp(2, 3), "engine.check_drafts=true",
-                   *([f"engine.check_drafts_atol={atol}"] if atol is not None else []))
+    engine = built(
+        model,
+        *mtp(2, 3),
+        "engine.check_drafts=true",
+        *([f"engine.check_drafts_atol={atol}"] if atol is not None else []),
+    )
     propose = engine.drafter.propose
 
     def off_by_a_little(*args, **kwargs):
@@ -85,14 +94,17 @@ def test_check_drafts_atol_reaches_the_check(model, atol, passes):
             engine.generate([request])
 
 
-@pytest.mark.parametrize("override, needle", [
-    ("engine.max_num_seqs=0", "engine.max_num_seqs must be an integer >= 1, got 0."),
-    ("engine.max_num_batched_tokens=-3", "engine.max_num_batched_tokens must be an integer >= 1, got -3."),
-    ("engine.max_model_len=1", "engine.max_model_len must be null or an integer >= 2"),
-    ("engine.check_drafts=maybe", "engine.check_drafts must be true or false, got 'maybe'."),
-    ("engine.check_drafts_atol=-0.5", "engine.check_drafts_atol must be a finite number >= 0, got -0.5."),
-    ("+engine.bogus=1", "bogus"),
-])
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("engine.max_num_seqs=0", "engine.max_num_seqs must be an integer >= 1, got 0."),
+        ("engine.max_num_batched_tokens=-3", "engine.max_num_batched_tokens must be an integer >= 1, got -3."),
+        ("engine.max_model_len=1", "engine.max_model_len must be null or an integer >= 2"),
+        ("engine.check_drafts=maybe", "engine.check_drafts must be true or false, got 'maybe'."),
+        ("engine.check_drafts_atol=-0.5", "engine.check_drafts_atol must be a finite number >= 0, got -0.5."),
+        ("+engine.bogus=1", "bogus"),
+    ],
+)
 def test_bad_engine_value_is_one_sentence_before_loading(override, needle):
     # the model node points nowhere: the error must come before any model is read
     cfg = serving_config(["model=inkling", "model.path=/nonexistent/ckpt", override])
@@ -107,11 +119,18 @@ def test_bad_engine_value_is_one_sentence_before_loading(override, needle):
 def test_every_node_builds_through_the_factory(model, group, option):
     node = OmegaConf.load(config_dir() / group / f"{option}.yaml")
     engine = built(model, f"{group}={option}")
-    component = {"drafter": engine.drafter, "verifier": engine.verifier, "sampler": engine.sampler,
-                 "kv": engine.kv, "engine": engine.config}[group]
+    component = {
+        "drafter": engine.drafter,
+        "verifier": engine.verifier,
+        "sampler": engine.sampler,
+        "kv": engine.kv,
+        "engine": engine.config,
+    }[group]
     assert type(component).__name__ == node._target_.rsplit(".", 1)[-1]
-    reqs = [engine.add_request([3, 1, 4, 1, 5], max_new_tokens=4),
-            engine.add_request([2, 7], SamplingParams(temperature=1.0, seed=3), max_new_tokens=4)]
+    reqs = [
+        engine.add_request([3, 1, 4, 1, 5], max_new_tokens=4),
+        engine.add_request([2, 7], SamplingParams(temperature=1.0, seed=3), max_new_tokens=4),
+    ]
     engine.generate(reqs)
     assert all(r.finish_reason in ("length", "stop") for r in reqs)
 
@@ -147,8 +166,13 @@ def test_verification_and_drafts_use_the_configured_sampler(model, drafts):
     """A sampler whose processed distribution is one-hot at token 7: if the drafter and the
     verifier take probabilities and draws from it (and nowhere else), every sampled token is 7
     and, with MTP, every draft is accepted; greedy rows are untouched."""
-    engine = built(model, *drafts, f"sampler._target_={FixedTokenSampler.__module__}.FixedTokenSampler",
-                   "+sampler.token=7", "engine.check_drafts=false")
+    engine = built(
+        model,
+        *drafts,
+        f"sampler._target_={FixedTokenSampler.__module__}.FixedTokenSampler",
+        "+sampler.token=7",
+        "engine.check_drafts=false",
+    )
     assert isinstance(engine.sampler, FixedTokenSampler)
     sampled = engine.add_request([9, 8, 7, 6, 5], SamplingParams(temperature=1.0, seed=1), max_new_tokens=9)
     greedy = engine.add_request([9, 8, 7, 6, 5], max_new_tokens=9)
@@ -182,14 +206,27 @@ def test_serving_config_inside_a_running_hydra_app():
 def test_script_cfg_job_shows_the_verifier_node(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     script = str(project_root() / "scripts" / "infer.py")
-    out = subprocess.run([sys.executable, script, "verifier=target", "engine.check_drafts_atol=0.5", "--cfg", "job",
-                          f"hydra.run.dir={tmp_path / 'hydra'}"], capture_output=True, text=True, cwd=tmp_path,
-                         timeout=300, env=env)
+    out = subprocess.run(
+        [
+            sys.executable,
+            script,
+            "verifier=target",
+            "engine.check_drafts_atol=0.5",
+            "--cfg",
+            "job",
+            f"hydra.run.dir={tmp_path / 'hydra'}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr
     job = OmegaConf.create(out.stdout)
     assert job.verifier == {"_target_": "inkfw.speculative.verifier.TargetVerifier", "_partial_": True}
     assert job.engine._target_ == "inkfw.speculative.engine.EngineConfig" and job.engine.check_drafts_atol == 0.5
-    bad = subprocess.run([sys.executable, script, "verifier=nope"], capture_output=True, text=True, cwd=tmp_path,
-                         timeout=300, env=env)
+    bad = subprocess.run(
+        [sys.executable, script, "verifier=nope"], capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env
+    )
     assert bad.returncode == 2 and bad.stderr.strip() == "error: unknown verifier 'nope'; choose one of target."
-

@@ -29,8 +29,15 @@ ROOT = Path(__file__).resolve().parent.parent
 CONF = config_dir()
 # the random-init debug preset (not the shipped checkpoint), a small KV pool, short runs
 FAST = ["model=inkling-debug", "device=cpu", "engine.max_model_len=96", "max_new_tokens=6"]
-CONTRACT_REQUEST_KEYS = {"prompt_token_ids", "token_ids", "text", "num_verify_steps", "num_draft_tokens",
-                         "num_accepted_tokens", "finish_reason"}
+CONTRACT_REQUEST_KEYS = {
+    "prompt_token_ids",
+    "token_ids",
+    "text",
+    "num_verify_steps",
+    "num_draft_tokens",
+    "num_accepted_tokens",
+    "finish_reason",
+}
 CONTRACT_METRIC_KEYS = {"mean_acceptance_length", "acceptance_per_position", "tokens_per_s"}
 
 
@@ -45,7 +52,9 @@ def one_thread():
 
 def make_cfg(*overrides: str, fast: bool = True):
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        fast_options = [o for o in FAST if not (o.startswith("model=") and any(x.startswith("model=") for x in overrides))]
+        fast_options = [
+            o for o in FAST if not (o.startswith("model=") and any(x.startswith("model=") for x in overrides))
+        ]
         return compose("infer", overrides=[*(fast_options if fast else []), *overrides])
 
 
@@ -60,9 +69,20 @@ def write_jsonl(path: Path, lines: list) -> Path:
 
 def run_script(*overrides: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "infer.py"), *overrides,
-                           "hydra.run.dir=" + str(cwd / "hydra"), "hydra.output_subdir=null"],
-                          capture_output=True, text=True, cwd=cwd, timeout=300, env=env)
+    return subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "infer.py"),
+            *overrides,
+            "hydra.run.dir=" + str(cwd / "hydra"),
+            "hydra.output_subdir=null",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=300,
+        env=env,
+    )
 
 
 def error_lines(stderr: str) -> list[str]:
@@ -79,7 +99,30 @@ def ckpt_with_tokenizer(tmp_path_factory) -> Path:
     from inkfw.models.inkling.checkpoint import export_checkpoint
     from inkfw.presets import build_model
 
-    words = ["[UNK]", "<s>", "</s>"] + ["the", "capital", "of", "france", "is", "def", "fibonacci", "(", "n", ")", ":", "speculative", "decoding", "makes", "generation", "faster", "because", "hello", "world", "a", "b", "c"]
+    words = ["[UNK]", "<s>", "</s>"] + [
+        "the",
+        "capital",
+        "of",
+        "france",
+        "is",
+        "def",
+        "fibonacci",
+        "(",
+        "n",
+        ")",
+        ":",
+        "speculative",
+        "decoding",
+        "makes",
+        "generation",
+        "faster",
+        "because",
+        "hello",
+        "world",
+        "a",
+        "b",
+        "c",
+    ]
     vocab = {w: i for i, w in enumerate(words)}
     vocab.update({f"w{i}": i for i in range(len(words), 500)})
     tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
@@ -106,16 +149,30 @@ def test_every_group_combination_builds(drafter, sampler, kv):
 
 
 def test_group_options_reach_the_components():
-    cfg = make_cfg("drafter=ngram", "drafter.min_n=2", "drafter.max_n=5", "spec.num_tokens=3", "kv.block_size=8",
-                   "kv.num_blocks=64", "kv.enable_prefix_caching=false", "sampler.temperature=0.7",
-                   "sampler.top_k=20", "sampler.top_p=0.9", "engine.max_num_seqs=3", "engine.max_num_batched_tokens=40")
+    cfg = make_cfg(
+        "drafter=ngram",
+        "drafter.min_n=2",
+        "drafter.max_n=5",
+        "spec.num_tokens=3",
+        "kv.block_size=8",
+        "kv.num_blocks=64",
+        "kv.enable_prefix_caching=false",
+        "sampler.temperature=0.7",
+        "sampler.top_k=20",
+        "sampler.top_p=0.9",
+        "engine.max_num_seqs=3",
+        "engine.max_num_batched_tokens=40",
+    )
     engine, _ = build_engine(cfg)
     d, kv, c = engine.drafter, engine.kv, engine.config
     assert (d.min_n, d.max_n, d.num_tokens) == (2, 5, 3)
     assert (kv.block_size, kv.enable_prefix_caching) == (8, False)
     assert {g.pool.num_blocks for g in kv.groups if g.window is None} == {64}
-    assert (engine.sampler.defaults.temperature, engine.sampler.defaults.top_k, engine.sampler.defaults.top_p) == \
-        (0.7, 20, 0.9)
+    assert (engine.sampler.defaults.temperature, engine.sampler.defaults.top_k, engine.sampler.defaults.top_p) == (
+        0.7,
+        20,
+        0.9,
+    )
     assert (c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len, c.check_drafts) == (3, 40, 96, False)
 
 
@@ -140,8 +197,11 @@ def check_contract(result: dict, max_new: dict[int, int] | int) -> None:
         assert r["finish_reason"] in ("length", "stop")
         assert 0 <= r["num_accepted_tokens"] <= r["num_draft_tokens"]
         assert r["num_verify_steps"] >= 1
-        steps, accepted, drafted = (steps + r["num_verify_steps"], accepted + r["num_accepted_tokens"],
-                                    drafted + r["num_draft_tokens"])
+        steps, accepted, drafted = (
+            steps + r["num_verify_steps"],
+            accepted + r["num_accepted_tokens"],
+            drafted + r["num_draft_tokens"],
+        )
     assert m["num_verify_steps"] == steps and m["num_accepted_tokens"] == accepted
     assert m["num_draft_tokens"] == drafted
     assert m["mean_acceptance_length"] == pytest.approx(1 + accepted / steps)
@@ -163,15 +223,21 @@ def test_demo_writes_the_json_contract(tmp_path, capsys):
 
 
 def test_greedy_drafters_match_the_autoregressive_baseline(tmp_path):
-    prompts = write_jsonl(tmp_path / "p.jsonl", [
-        {"token_ids": [5, 6, 7, 8, 5, 6, 7]},
-        {"token_ids": list(range(10, 40)), "max_new_tokens": 9},
-        {"token_ids": [42]},  # shorter than P - 1
-    ])
+    prompts = write_jsonl(
+        tmp_path / "p.jsonl",
+        [
+            {"token_ids": [5, 6, 7, 8, 5, 6, 7]},
+            {"token_ids": list(range(10, 40)), "max_new_tokens": 9},
+            {"token_ids": [42]},  # shorter than P - 1
+        ],
+    )
     runs = {}
-    for name, extra in [("none", ["drafter=none"]), ("mtp", ["drafter=mtp", "engine.check_drafts=true"]),
-                        ("mtp-k6-d2", ["drafter=mtp", "mtp.depths=2", "spec.num_tokens=6"]),
-                        ("ngram", ["drafter=ngram"])]:
+    for name, extra in [
+        ("none", ["drafter=none"]),
+        ("mtp", ["drafter=mtp", "engine.check_drafts=true"]),
+        ("mtp-k6-d2", ["drafter=mtp", "mtp.depths=2", "spec.num_tokens=6"]),
+        ("ngram", ["drafter=ngram"]),
+    ]:
         result = run_infer(make_cfg(f"prompts_file={prompts}", "max_new_tokens=8", *extra))
         check_contract(result, {0: 8, 1: 9, 2: 8})
         runs[name] = [r["token_ids"] for r in result["requests"]]
@@ -204,30 +270,33 @@ def test_text_prompts_stop_strings_and_demo_with_tokenizer(ckpt_with_tokenizer, 
 
 
 # ------------------------------------------------------------------ bad input
-@pytest.mark.parametrize("overrides, error, needle", [
-    (["model=inkling", "model.path=/nonexistent/ckpt"], CheckpointError, "checkpoint directory not found"),
-    (["mtp.depths=0"], ConfigError, "mtp.depths"),
-    (["mtp.depths=5"], ConfigError, "mtp.depths=5"),
-    (["drafter=none", "mtp.depths=5"], ConfigError, "mtp.depths=5"),
-    (["spec.num_tokens=0"], ConfigError, "spec.num_tokens"),
-    (["drafter=ngram", "spec.num_tokens=0"], ConfigError, "spec.num_tokens"),
-    (["drafter=ngram", "drafter.min_n=0"], ConfigError, "min_n"),
-    (["prompt_token_ids=[]"], ConfigError, "empty"),
-    (["prompt_token_ids=[1,2,100000]"], ConfigError, "prompt token ids"),
-    (["prompt='hello'"], ConfigError, "prompt_token_ids=[1,2,3]"),
-    (["stop=[x]"], ConfigError, "stop strings need a tokenizer"),
-    (["sampler.temperature=-1"], ConfigError, "temperature"),
-    (["sampler.top_p=0"], ConfigError, "top_p"),
-    (["sampler.top_k=-2"], ConfigError, "top_k"),
-    (["sampler.seed=-1"], ConfigError, "seed"),
-    (["max_new_tokens=0"], ConfigError, "max_new_tokens"),
-    (["engine.max_num_seqs=0"], ConfigError, "engine.max_num_seqs"),
-    (["kv.block_size=0"], ConfigError, "kv.block_size"),
-    (["prompts_file=/nonexistent/p.jsonl"], ConfigError, "file not found"),
-    (["prompt_token_ids=[1,2]", "prompts_file=/x.jsonl"], ConfigError, "only one of"),
-    (["dtype=float64"], ConfigError, "dtype"),
-    (["+kv.bogus=1"], ConfigError, "bogus"),
-])
+@pytest.mark.parametrize(
+    "overrides, error, needle",
+    [
+        (["model=inkling", "model.path=/nonexistent/ckpt"], CheckpointError, "checkpoint directory not found"),
+        (["mtp.depths=0"], ConfigError, "mtp.depths"),
+        (["mtp.depths=5"], ConfigError, "mtp.depths=5"),
+        (["drafter=none", "mtp.depths=5"], ConfigError, "mtp.depths=5"),
+        (["spec.num_tokens=0"], ConfigError, "spec.num_tokens"),
+        (["drafter=ngram", "spec.num_tokens=0"], ConfigError, "spec.num_tokens"),
+        (["drafter=ngram", "drafter.min_n=0"], ConfigError, "min_n"),
+        (["prompt_token_ids=[]"], ConfigError, "empty"),
+        (["prompt_token_ids=[1,2,100000]"], ConfigError, "prompt token ids"),
+        (["prompt='hello'"], ConfigError, "prompt_token_ids=[1,2,3]"),
+        (["stop=[x]"], ConfigError, "stop strings need a tokenizer"),
+        (["sampler.temperature=-1"], ConfigError, "temperature"),
+        (["sampler.top_p=0"], ConfigError, "top_p"),
+        (["sampler.top_k=-2"], ConfigError, "top_k"),
+        (["sampler.seed=-1"], ConfigError, "seed"),
+        (["max_new_tokens=0"], ConfigError, "max_new_tokens"),
+        (["engine.max_num_seqs=0"], ConfigError, "engine.max_num_seqs"),
+        (["kv.block_size=0"], ConfigError, "kv.block_size"),
+        (["prompts_file=/nonexistent/p.jsonl"], ConfigError, "file not found"),
+        (["prompt_token_ids=[1,2]", "prompts_file=/x.jsonl"], ConfigError, "only one of"),
+        (["dtype=float64"], ConfigError, "dtype"),
+        (["+kv.bogus=1"], ConfigError, "bogus"),
+    ],
+)
 def test_bad_input_raises_one_sentence(overrides, error, needle):
     with pytest.raises(error) as info:
         run_infer(make_cfg(*overrides))
@@ -252,16 +321,19 @@ def test_unreadable_checkpoint(tmp_path):
 
 
 def test_batch_rejects_bad_requests_and_runs_the_rest(tmp_path, capsys):
-    prompts = write_jsonl(tmp_path / "p.jsonl", [
-        {"token_ids": [5, 6, 7]},
-        "{not json",
-        {"token_ids": []},
-        "",  # blank lines are skipped
-        {"token_ids": [5, 99999]},
-        {"prompt": "needs a tokenizer"},
-        {"token_ids": [1, 2], "max_tokens": 3},
-        {"token_ids": [9, 8, 7], "max_new_tokens": 3},
-    ])
+    prompts = write_jsonl(
+        tmp_path / "p.jsonl",
+        [
+            {"token_ids": [5, 6, 7]},
+            "{not json",
+            {"token_ids": []},
+            "",  # blank lines are skipped
+            {"token_ids": [5, 99999]},
+            {"prompt": "needs a tokenizer"},
+            {"token_ids": [1, 2], "max_tokens": 3},
+            {"token_ids": [9, 8, 7], "max_new_tokens": 3},
+        ],
+    )
     out = tmp_path / "out.json"
     result = run_infer(make_cfg(f"prompts_file={prompts}", f"output.json={out}"))
     errs = error_lines(capsys.readouterr().err)
@@ -277,9 +349,20 @@ def test_batch_rejects_bad_requests_and_runs_the_rest(tmp_path, capsys):
 
 
 def test_prompts_file_parsing(tmp_path):
-    items = read_prompts_file(write_jsonl(tmp_path / "p.jsonl", [
-        {"prompt": "hi", "max_new_tokens": 4}, {"token_ids": [1]}, [1, 2], {"prompt": "a", "token_ids": [1]},
-        {"token_ids": [1.5]}, {"token_ids": [1], "max_new_tokens": 0}, {"prompt": 3}]))
+    items = read_prompts_file(
+        write_jsonl(
+            tmp_path / "p.jsonl",
+            [
+                {"prompt": "hi", "max_new_tokens": 4},
+                {"token_ids": [1]},
+                [1, 2],
+                {"prompt": "a", "token_ids": [1]},
+                {"token_ids": [1.5]},
+                {"token_ids": [1], "max_new_tokens": 0},
+                {"prompt": 3},
+            ],
+        )
+    )
     assert (items[0].text, items[0].max_new_tokens, items[0].error) == ("hi", 4, None)
     assert items[1].token_ids == [1] and items[1].error is None
     assert all(it.error for it in items[2:]) and [it.index for it in items] == list(range(1, 8))
@@ -298,10 +381,13 @@ def test_write_json_atomic_replaces(tmp_path):
 
 
 # ------------------------------------------------------------------ the script
-@pytest.mark.parametrize("overrides, needle", [
-    (["drafter=foo"], "error: unknown drafter 'foo'; choose one of mtp, ngram, none."),
-    (["model=inkling", "model.path=/nonexistent/ckpt"], "checkpoint directory not found"),
-])
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["drafter=foo"], "error: unknown drafter 'foo'; choose one of mtp, ngram, none."),
+        (["model=inkling", "model.path=/nonexistent/ckpt"], "checkpoint directory not found"),
+    ],
+)
 def test_script_bad_input_one_line(tmp_path, overrides, needle):
     out = run_script(*overrides, cwd=tmp_path)
     assert out.returncode != 0
@@ -333,8 +419,15 @@ def test_script_batch_with_a_bad_line_exits_2(tmp_path):
 def test_script_help_and_cfg_job(tmp_path):
     helped = run_script("--help", cwd=tmp_path)
     assert helped.returncode == 0
-    for option in ("drafter=mtp|ngram|none", "mtp.depths", "spec.num_tokens", "prompts_file", "output.json",
-                   "engine.check_drafts", "sampler.temperature"):
+    for option in (
+        "drafter=mtp|ngram|none",
+        "mtp.depths",
+        "spec.num_tokens",
+        "prompts_file",
+        "output.json",
+        "engine.check_drafts",
+        "sampler.temperature",
+    ):
         assert option in helped.stdout
     job = run_script("--cfg", "job", "drafter=ngram", cwd=tmp_path)
     assert job.returncode == 0
@@ -346,9 +439,11 @@ def test_group_choice_precheck(capsys):
     from inkfw.cli import check_group_choices
 
     check_group_choices(CONF, ["drafter=ngram", "sampler=default", "kv.block_size=8", "prompt=a=b", "--cfg", "job"])
-    for arg, line in [("drafter=foo", "error: unknown drafter 'foo'; choose one of mtp, ngram, none."),
-                      ("+kv=nope", "error: unknown kv 'nope'; choose one of paged."),
-                      ("drafter=mtp,bar", "error: unknown drafter 'bar'; choose one of mtp, ngram, none.")]:
+    for arg, line in [
+        ("drafter=foo", "error: unknown drafter 'foo'; choose one of mtp, ngram, none."),
+        ("+kv=nope", "error: unknown kv 'nope'; choose one of paged."),
+        ("drafter=mtp,bar", "error: unknown drafter 'bar'; choose one of mtp, ngram, none."),
+    ]:
         with pytest.raises(SystemExit) as info:
             check_group_choices(CONF, [arg])
         assert info.value.code == 2 and capsys.readouterr().err.strip() == line

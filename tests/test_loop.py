@@ -51,13 +51,16 @@ def test_sampled_engine_equals_the_loop_with_the_same_seeds(small_vocab_model, D
     m = small_vocab_model
     rng = random.Random(D + 7 * k)
     prompts = [[rng.randrange(12)]] + random_prompts(rng, 5, 12, lo=2, hi=20)
-    params = [SamplingParams(temperature=1.0, seed=100 + i, top_k=[None, 6][i % 2], top_p=[1.0, 0.9][i % 3 == 0])
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=1.0, seed=100 + i, top_k=[None, 6][i % 2], top_p=[1.0, 0.9][i % 3 == 0])
+        for i in range(len(prompts))
+    ]
     reqs, eng, _ = generate(m, drafter(D, k), prompts, 12, params=params, check_drafts=False)
     loop = [speculative_generate(m, p, k, D, sp, max_new_tokens=12) for p, sp in zip(prompts, params)]
     assert outputs(reqs) == loop
     if D:  # drafts were accepted and rejected, so both acceptance branches consumed draws
         assert 0 < eng.metrics.num_accepted_tokens < eng.metrics.num_draft_tokens
-    reseeded = [SamplingParams(temperature=1.0, seed=900 + i, top_k=sp.top_k, top_p=sp.top_p)
-                for i, sp in enumerate(params)]
+    reseeded = [
+        SamplingParams(temperature=1.0, seed=900 + i, top_k=sp.top_k, top_p=sp.top_p) for i, sp in enumerate(params)
+    ]
     assert [speculative_generate(m, p, k, D, sp, max_new_tokens=12) for p, sp in zip(prompts, reseeded)] != loop

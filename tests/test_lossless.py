@@ -71,14 +71,25 @@ def chi2_pvalue(samples: np.ndarray, expected_probs: np.ndarray) -> float:
     return float(chisquare(obs_b, exp_b).pvalue)
 
 
-def sample_tokens(model, drafter: Sequence[str], params: list[SamplingParams], max_new_tokens: int,
-                  verifier: Sequence[str] = ()):
+def sample_tokens(
+    model, drafter: Sequence[str], params: list[SamplingParams], max_new_tokens: int, verifier: Sequence[str] = ()
+):
     """One engine from the serving factory (``drafter``, ``verifier``: config overrides), one
     request per params entry (each with its own seed); returns ([N, max_new_tokens] tokens, engine)."""
     N = len(params)
-    cfg = serving_config(["model=inkling-debug", *drafter, *verifier, "kv.block_size=4", f"kv.num_blocks={4 * N}",
-                          "kv.enable_prefix_caching=false", f"engine.max_num_seqs={N}",
-                          f"engine.max_num_batched_tokens={16 * N}", "engine.max_model_len=64"])
+    cfg = serving_config(
+        [
+            "model=inkling-debug",
+            *drafter,
+            *verifier,
+            "kv.block_size=4",
+            f"kv.num_blocks={4 * N}",
+            "kv.enable_prefix_caching=false",
+            f"engine.max_num_seqs={N}",
+            f"engine.max_num_batched_tokens={16 * N}",
+            "engine.max_model_len=64",
+        ]
+    )
     eng, _ = build_engine(cfg, model=model)
     kv = eng.kv
     reqs = [eng.add_request(PROMPT, p, max_new_tokens=max_new_tokens) for p in params]
@@ -135,8 +146,13 @@ def test_always_accepting_verifier_is_detected(lm):
     p), selected with a ``verifier`` override, emits the drafter's distribution, and the same
     comparison rejects it outright."""
     N = 1500
-    tokens, eng = sample_tokens(lm, mtp(2, 2), [SamplingParams(temperature=1.0, seed=i) for i in range(N)], 3,
-                                verifier=double("verifier", AcceptAllVerifier))
+    tokens, eng = sample_tokens(
+        lm,
+        mtp(2, 2),
+        [SamplingParams(temperature=1.0, seed=i) for i in range(N)],
+        3,
+        verifier=double("verifier", AcceptAllVerifier),
+    )
     assert type(eng.verifier) is AcceptAllVerifier
     assert eng.metrics.num_accepted_tokens == eng.metrics.num_draft_tokens
     exact = exact_marginals(lm, SamplingParams(temperature=1.0), 2)

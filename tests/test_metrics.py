@@ -54,8 +54,15 @@ def test_to_dict():
     json.dumps(d)
     assert d["mean_acceptance_length"] == pytest.approx(2.2)
     assert d["per_position_acceptance"] == pytest.approx([0.6, 0.4, 0.2])
-    assert {"num_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens",
-            "draft_acceptance_rate", "conditional_acceptance"} <= d.keys()
+    assert {
+        "num_steps",
+        "num_drafts",
+        "num_draft_tokens",
+        "num_accepted_tokens",
+        "num_emitted_tokens",
+        "draft_acceptance_rate",
+        "conditional_acceptance",
+    } <= d.keys()
 
 
 def test_record_rejects_inconsistent_counts():

@@ -98,8 +98,16 @@ def test_pool_register_keeps_first_owner_of_content():
 
 # --------------------------------------------------------------------------- PagedKVManager units
 def _kv(model, lookahead: int = 2, bs: int = 4, blocks: int = 32, depths: int = 2, prefix: bool = True):
-    return PagedKVManager(model, num_draft_depths=depths, lookahead=lookahead, block_size=bs, num_blocks=blocks,
-                          num_window_blocks=blocks, enable_prefix_caching=prefix, max_model_len=128)
+    return PagedKVManager(
+        model,
+        num_draft_depths=depths,
+        lookahead=lookahead,
+        block_size=bs,
+        num_blocks=blocks,
+        num_window_blocks=blocks,
+        enable_prefix_caching=prefix,
+        max_model_len=128,
+    )
 
 
 def _cached_blocks(kv) -> list[int]:
@@ -110,8 +118,10 @@ def _hit_blocks(kv, h: int) -> list[int]:
     """Blocks a prefix hit of ``h`` positions hands each group: all of them for full attention,
     only those a query at ``h`` can still read for windowed groups (sliding attention, conv)."""
     bs = kv.block_size
-    return [h // bs - (0 if g.window is None else max(0, h - max(g.window, kv.conv_kernel_size) + 1) // bs)
-            for g in kv.groups]
+    return [
+        h // bs - (0 if g.window is None else max(0, h - max(g.window, kv.conv_kernel_size) + 1) // bs)
+        for g in kv.groups
+    ]
 
 
 def test_block_registered_only_when_final(model):
@@ -336,12 +346,24 @@ def _check_books(kv: PagedKVManager, tokens: dict) -> None:
     assert set(kv._tables) == live
 
 
-@settings(max_examples=100, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=100,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(data=st.data(), lookahead=st.integers(0, 3), bs=st.sampled_from([2, 4]))
 def test_random_operations_keep_books(kv_model, data, lookahead, bs):
-    kv = PagedKVManager(kv_model, num_draft_depths=2, lookahead=lookahead, block_size=bs, num_blocks=8,
-                        num_window_blocks=6, enable_prefix_caching=True, max_model_len=128)
+    kv = PagedKVManager(
+        kv_model,
+        num_draft_depths=2,
+        lookahead=lookahead,
+        block_size=bs,
+        num_blocks=8,
+        num_window_blocks=6,
+        enable_prefix_caching=True,
+        max_model_len=128,
+    )
     base = [1, 2, 3, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]  # shared prefixes make prefix hits likely
     tokens: dict[int, list[int]] = {}
     computed: dict[int, int] = {}  # positions with blocks in every group (what may be finalized)

@@ -42,14 +42,25 @@ def test_one_token_forwards_agree_and_fit_the_op_budget():
 
 
 def run_script(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "count_ops.py"), *overrides,
-                           "hydra.run.dir=" + str(tmp_path / "hydra"), "hydra.output_subdir=null"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    return subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "count_ops.py"),
+            *overrides,
+            "hydra.run.dir=" + str(tmp_path / "hydra"),
+            "hydra.output_subdir=null",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
 
 
 def test_count_ops_script_prints_counts(tmp_path):
-    out = run_script(tmp_path, "model=inkling-debug", "mtp.depths=0", "modes=[uncached,paged]", "repeats=2",
-                     "threads=1")
+    out = run_script(
+        tmp_path, "model=inkling-debug", "mtp.depths=0", "modes=[uncached,paged]", "repeats=2", "threads=1"
+    )
     assert out.returncode == 0, out.stderr
     rows = {line.split()[1]: line for line in out.stdout.splitlines() if line.startswith("│")}
     assert set(rows) >= {"uncached", "paged"}

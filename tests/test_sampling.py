@@ -18,19 +18,22 @@ LOGITS = PROBS.log()[None]  # [1, 4]
 
 
 # --------------------------------------------------------------------------- SamplingParams
-@pytest.mark.parametrize("bad, field", [
-    (dict(temperature=-0.1), "temperature"),
-    (dict(temperature=math.nan), "temperature"),
-    (dict(temperature=math.inf), "temperature"),
-    (dict(temperature="hot"), "temperature"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(top_p=-0.2), "top_p"),
-    (dict(top_k=-1), "top_k"),
-    (dict(top_k=2.5), "top_k"),
-    (dict(seed=-1), "seed"),
-    (dict(seed=2**64), "seed"),
-])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=math.nan), "temperature"),
+        (dict(temperature=math.inf), "temperature"),
+        (dict(temperature="hot"), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_p=-0.2), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(top_k=2.5), "top_k"),
+        (dict(seed=-1), "seed"),
+        (dict(seed=2**64), "seed"),
+    ],
+)
 def test_invalid_params_name_the_field(bad, field):
     with pytest.raises(ConfigError, match=field) as info:
         SamplingParams(**bad)
@@ -39,8 +42,12 @@ def test_invalid_params_name_the_field(bad, field):
 
 
 def test_valid_params():
-    for ok in (dict(), dict(temperature=0.7, top_k=0, top_p=1.0, seed=0), dict(top_k=None, top_p=1e-3),
-               dict(temperature=2, top_k=50, seed=2**64 - 1)):
+    for ok in (
+        dict(),
+        dict(temperature=0.7, top_k=0, top_p=1.0, seed=0),
+        dict(top_k=None, top_p=1e-3),
+        dict(temperature=2, top_k=50, seed=2**64 - 1),
+    ):
         SamplingParams(**ok).validate()
     assert SamplingParams().greedy and not SamplingParams(temperature=0.1).greedy
 
@@ -102,8 +109,13 @@ def test_temperature_applies_before_top_p():
 def test_mixed_batch_equals_row_by_row():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 3, 50, generator=g)  # [N, T, V]: params per row, shared over T
-    params = [GREEDY, PLAIN, SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=1.3, top_p=0.8),
-              SamplingParams(temperature=0.9, top_k=10, top_p=0.5)]
+    params = [
+        GREEDY,
+        PLAIN,
+        SamplingParams(temperature=0.7, top_k=5),
+        SamplingParams(temperature=1.3, top_p=0.8),
+        SamplingParams(temperature=0.9, top_k=10, top_p=0.5),
+    ]
     batch = processed_probs(logits, params)
     assert batch.shape == logits.shape and batch.dtype == torch.float32
     for i, p in enumerate(params):
@@ -149,7 +161,7 @@ def test_seeded_request_ignores_batch_composition():
     alone = [int(sampler(s[:1], [mine], [g])[0]) for s in steps]
     for row in range(4):
         batch = others[:row] + [mine] + others[row:]
-        steps_at_row = [torch.cat([s[1:row + 1], s[:1], s[row + 1:]]) for s in steps]  # my logits at `row`
+        steps_at_row = [torch.cat([s[1 : row + 1], s[:1], s[row + 1 :]]) for s in steps]  # my logits at `row`
         gens = [sampler.generator(p) for p in batch]
         got = [int(sampler(s, batch, gens)[row]) for s in steps_at_row]
         assert got == alone
@@ -181,8 +193,9 @@ def test_acceptance_draws_per_row_generators():
     (the rest of its uniform row is 1.0), so a seeded request's verify steps do not depend on
     the batch; the noise is never 0."""
     seeds, counts, k, V = [5, 6, 7], [2, 0, 3], 3, 4
-    uniforms, noise = Sampler().acceptance_draws([torch.Generator().manual_seed(s) for s in seeds],
-                                                 torch.tensor(counts), k, V, "cpu")
+    uniforms, noise = Sampler().acceptance_draws(
+        [torch.Generator().manual_seed(s) for s in seeds], torch.tensor(counts), k, V, "cpu"
+    )
     assert uniforms.shape == (3, k) and uniforms.dtype == torch.float64 and noise.shape == (3, V)
     for b, (seed, n) in enumerate(zip(seeds, counts)):
         g = torch.Generator().manual_seed(seed)

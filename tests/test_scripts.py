@@ -14,21 +14,50 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(script: str, *overrides: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / script), *overrides,
-                           "hydra.run.dir=" + str(cwd / "hydra"), "hydra.output_subdir=null"],
-                          capture_output=True, text=True, cwd=cwd, timeout=300)
+    return subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / script),
+            *overrides,
+            "hydra.run.dir=" + str(cwd / "hydra"),
+            "hydra.output_subdir=null",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=300,
+    )
 
 
-@pytest.mark.parametrize("script, overrides", [
-    ("infer.py", ["model=inkling-debug", "max_new_tokens=2", "device=cpu"]),
-    ("smoke.py", ["max_new_tokens=2", "device=cpu"]),
-    ("bench.py", ["model=inkling-debug", "batch_sizes=[1]", "drafters=[none]", "repeats=1", "max_new_tokens=2",
-                  "warmup_tokens=0", "output_dir=null"]),
-])
+@pytest.mark.parametrize(
+    "script, overrides",
+    [
+        ("infer.py", ["model=inkling-debug", "max_new_tokens=2", "device=cpu"]),
+        ("smoke.py", ["max_new_tokens=2", "device=cpu"]),
+        (
+            "bench.py",
+            [
+                "model=inkling-debug",
+                "batch_sizes=[1]",
+                "drafters=[none]",
+                "repeats=1",
+                "max_new_tokens=2",
+                "warmup_tokens=0",
+                "output_dir=null",
+            ],
+        ),
+    ],
+)
 def test_hydra_run_dir_is_under_runs(tmp_path, script, overrides):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *overrides],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / script), *overrides],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr
     assert not (tmp_path / "outputs").exists()
     run_dirs = list((tmp_path / "runs" / "hydra" / script.removesuffix(".py")).iterdir())
@@ -41,14 +70,17 @@ def test_smoke_run_succeeds(tmp_path):
     assert "cached greedy == uncached greedy" in out.stdout and "yes" in out.stdout
 
 
-@pytest.mark.parametrize("overrides, needle", [
-    (["model=inkling", "model.path=/nonexistent/ckpt"], "/nonexistent/ckpt"),
-    (["mtp.depths=9"], "mtp.depths=9"),
-    (["max_new_tokens=0"], "max_new_tokens"),
-    (["dtype=float64"], "dtype"),
-    (["mtp.embed_source=normed"], "embed_source"),
-    (["prompt_token_ids=[1,2,100000]"], "prompt token ids"),
-])
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["model=inkling", "model.path=/nonexistent/ckpt"], "/nonexistent/ckpt"),
+        (["mtp.depths=9"], "mtp.depths=9"),
+        (["max_new_tokens=0"], "max_new_tokens"),
+        (["dtype=float64"], "dtype"),
+        (["mtp.embed_source=normed"], "embed_source"),
+        (["prompt_token_ids=[1,2,100000]"], "prompt token ids"),
+    ],
+)
 def test_bad_input_gives_one_line_no_traceback(tmp_path, overrides, needle):
     out = run("smoke.py", *overrides, cwd=tmp_path)
     assert out.returncode != 0
@@ -74,10 +106,13 @@ def test_corrupt_checkpoint_via_script(tmp_path):
     assert "model.safetensors" in out.stderr and "Traceback" not in out.stderr
 
 
-@pytest.mark.parametrize("preset, total, active, published", [
-    ("inkling-release", "975,340,270,146", "41,059,054,146", ("975B", "41B")),
-    ("inkling-small", "276,240,214,570", "11,999,062,570", ("276B", "12B")),
-])
+@pytest.mark.parametrize(
+    "preset, total, active, published",
+    [
+        ("inkling-release", "975,340,270,146", "41,059,054,146", ("975B", "41B")),
+        ("inkling-small", "276,240,214,570", "11,999,062,570", ("276B", "12B")),
+    ],
+)
 def test_count_params_prints_table(tmp_path, preset, total, active, published):
     """The count, and the model card's figure beside it."""
     out = run("count_params.py", f"model={preset}", cwd=tmp_path)

@@ -30,8 +30,15 @@ def test_trained_depths_are_accepted_and_output_is_exact():
     prompts = [tok.encode(json.loads(line)["prompt"]).ids for line in PROMPTS.read_text().splitlines()[3:6]]
     outs = {}
     for name in ("mtp", "none"):
-        cfg = serving_config([f"model.path={CKPT}", f"drafter={name}", "engine.max_num_seqs=4",
-                              "engine.max_model_len=256", f"engine.check_drafts={str(name == 'mtp').lower()}"])
+        cfg = serving_config(
+            [
+                f"model.path={CKPT}",
+                f"drafter={name}",
+                "engine.max_num_seqs=4",
+                "engine.max_model_len=256",
+                f"engine.check_drafts={str(name == 'mtp').lower()}",
+            ]
+        )
         engine, _ = build_engine(cfg, model=model, tokenizer=tok)
         requests = [engine.add_request(p, max_new_tokens=24) for p in prompts]
         engine.generate(requests)

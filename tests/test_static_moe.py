@@ -19,8 +19,14 @@ EXPERTS = [(6, 2, 2, 2.5), (4, 2, 1, 1.0), (16, 3, 1, 0.7), (3, 3, 2, 1.0)]
 
 
 def make_moe(routed: int, top_k: int, shared: int, route_scale: float, seed: int = 0) -> MoE:
-    cfg = tiny_config(hidden_size=HIDDEN, moe_intermediate_size=24, n_routed_experts=routed,
-                      num_experts_per_tok=top_k, n_shared_experts=shared, route_scale=route_scale)
+    cfg = tiny_config(
+        hidden_size=HIDDEN,
+        moe_intermediate_size=24,
+        n_routed_experts=routed,
+        num_experts_per_tok=top_k,
+        n_shared_experts=shared,
+        route_scale=route_scale,
+    )
     moe = MoE(cfg)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -150,9 +156,13 @@ def test_parameters_keep_their_names_and_shapes():
     moe = make_moe(6, 2, 2, 2.5)
     shapes = {name: tuple(t.shape) for name, t in moe.state_dict().items()}
     assert shapes == {
-        "router.weight": (8, HIDDEN), "router.global_scale": (1,), "router.score_bias": (6,),
-        "experts_gate_up": (6, 48, HIDDEN), "experts_down": (6, HIDDEN, 24),
-        "shared_gate_up": (2, 48, HIDDEN), "shared_down": (2, HIDDEN, 24),
+        "router.weight": (8, HIDDEN),
+        "router.global_scale": (1,),
+        "router.score_bias": (6,),
+        "experts_gate_up": (6, 48, HIDDEN),
+        "experts_down": (6, HIDDEN, 24),
+        "shared_gate_up": (2, 48, HIDDEN),
+        "shared_down": (2, HIDDEN, 24),
     }
 
 

@@ -16,8 +16,16 @@ from inkfw.cache.interface import EMPTY_POSITION, NUM_CONV_STREAMS, conv_channel
 class DenseLayerCache:
     """KV and conv inputs of one layer for ``batch`` rows of up to ``max_len`` positions."""
 
-    def __init__(self, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 conv_channels: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device | str):
+    def __init__(
+        self,
+        batch: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        conv_channels: tuple[int, int, int, int],
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
         self.max_len = max_len
         self.k = torch.zeros(batch, max_len, num_kv_heads, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
@@ -62,15 +70,22 @@ class DenseLayerCache:
 class DenseModelCache:
     """Dense caches for every target layer and every MTP depth of one model."""
 
-    def __init__(self, model, batch: int, max_len: int, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None):
+    def __init__(
+        self,
+        model,
+        batch: int,
+        max_len: int,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ):
         param = next(model.parameters())
         dtype = dtype or param.dtype
         device = device or param.device
 
         def make(block) -> DenseLayerCache:
-            return DenseLayerCache(batch, max_len, block.attn.num_kv_heads, block.attn.head_dim,
-                                   conv_channels(block), dtype, device)
+            return DenseLayerCache(
+                batch, max_len, block.attn.num_kv_heads, block.attn.head_dim, conv_channels(block), dtype, device
+            )
 
         self.layers = [make(layer) for layer in model.backbone.layers]
         self.mtp = [make(depth.block) for depth in model.mtp.depths] if model.mtp is not None else []

@@ -119,22 +119,24 @@ class GroupView:
     are written here (before the layers write the data); nothing reads in between.
     """
 
-    def __init__(self, group: CacheGroup, tables: list[list[int]], positions: torch.Tensor,
-                 valid: torch.Tensor, block_size: int):
+    def __init__(
+        self, group: CacheGroup, tables: list[list[int]], positions: torch.Tensor, valid: torch.Tensor, block_size: int
+    ):
         device = positions.device
-        B = positions.shape[0]
         self.group, self.bs, self.positions, self.valid = group, block_size, positions, valid
         width = max(1, max(len(t) for t in tables))
-        self.table = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.long,
-                                  device=device)  # [B, nb]
+        self.table = torch.tensor(
+            [t + [-1] * (width - len(t)) for t in tables], dtype=torch.long, device=device
+        )  # [B, nb]
 
         blk = positions // block_size  # [B, T]
         phys = self.table.gather(1, blk.clamp(0, width - 1))  # [B, T]
         ok = valid & (blk < width) & (phys >= 0)
         if bool((valid & ~ok).any()):
             raise RuntimeError(f"cache group {group.name}: a token has no block (engine did not allocate)")
-        self.write_slots = torch.where(ok, phys * block_size + positions % block_size,
-                                       group.scratch_slot).reshape(-1)  # [B*T]
+        self.write_slots = torch.where(ok, phys * block_size + positions % block_size, group.scratch_slot).reshape(
+            -1
+        )  # [B*T]
         group.slot_pos[self.write_slots[ok.reshape(-1)]] = positions[ok]
         self._keys: tuple[torch.Tensor, torch.Tensor] | None = None
         self._windows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -187,8 +189,11 @@ class PagedLayerCache:
         key_slots, key_positions = self.kv_view.keys()
         flat = key_slots.reshape(-1)
         shape = (*key_slots.shape, *ks.shape[1:])
-        return (ks.index_select(0, flat).view(shape), vs.index_select(0, flat).view(shape),
-                key_positions)  # [B, S, Hkv, D] x2, [B, S]
+        return (
+            ks.index_select(0, flat).view(shape),
+            vs.index_select(0, flat).view(shape),
+            key_positions,
+        )  # [B, S, Hkv, D] x2, [B, S]
 
     def conv_window(self, stream, x, positions, kernel_size):
         store = self.conv[stream]
@@ -242,16 +247,31 @@ class PagedKVManager:
 
     cache_timer: Callable[[float], None] | None = None
 
-    def __init__(self, model, num_draft_depths: int = 0, lookahead: int = 0, block_size: int = 16,
-                 num_blocks: int | None = None, num_window_blocks: int | None = None,
-                 enable_prefix_caching: bool = True, max_model_len: int | None = None,
-                 max_num_seqs: int = 16, max_num_batched_tokens: int = 512, num_draft_tokens: int | None = None,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None):
-        for name, value in (("block_size", block_size), ("num_blocks", num_blocks),
-                            ("num_window_blocks", num_window_blocks)):
+    def __init__(
+        self,
+        model,
+        num_draft_depths: int = 0,
+        lookahead: int = 0,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        num_window_blocks: int | None = None,
+        enable_prefix_caching: bool = True,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 512,
+        num_draft_tokens: int | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ):
+        for name, value in (
+            ("block_size", block_size),
+            ("num_blocks", num_blocks),
+            ("num_window_blocks", num_window_blocks),
+        ):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ConfigError(f"kv.{name} must be {'null or ' if name != 'block_size' else ''}"
-                                  f"an integer >= 1, got {value!r}.")
+                raise ConfigError(
+                    f"kv.{name} must be {'null or ' if name != 'block_size' else ''}an integer >= 1, got {value!r}."
+                )
         param = next(model.parameters())
         dtype, device = dtype or param.dtype, torch.device(device or param.device)
         cfg = model.cfg
@@ -335,7 +355,7 @@ class PagedKVManager:
         out, parent = [], b""
         arr = np.asarray(tokens, dtype=np.int64)
         for j in range(num_blocks):
-            parent = hashlib.blake2b(parent + arr[j * bs: (j + 1) * bs + la].tobytes(), digest_size=16).digest()
+            parent = hashlib.blake2b(parent + arr[j * bs : (j + 1) * bs + la].tobytes(), digest_size=16).digest()
             out.append(parent)
         return out
 
@@ -357,8 +377,7 @@ class PagedKVManager:
         hashes = self._hash_chain(tokens, candidates)
         for j in range(candidates, 0, -1):
             h = j * bs
-            if all(hashes[i] in g.pool.cached
-                   for g in self.groups for i in range(self._needed_from(g, h) // bs, j)):
+            if all(hashes[i] in g.pool.cached for g in self.groups for i in range(self._needed_from(g, h) // bs, j)):
                 break
         else:
             return 0
@@ -379,7 +398,7 @@ class PagedKVManager:
                 block = g.pool.allocate()
                 if block is None:
                     return False
-                g.slot_pos[block * bs: (block + 1) * bs] = EMPTY_POSITION
+                g.slot_pos[block * bs : (block + 1) * bs] = EMPTY_POSITION
                 table.append(block)
         return True
 
@@ -421,25 +440,34 @@ class PagedKVManager:
                     table[j] = -1
 
     # ----------------------------------------------------------------- views
-    def _view(self, group_index: int, rids: Sequence[Hashable], positions: torch.Tensor,
-              valid: torch.Tensor) -> GroupView:
+    def _view(
+        self, group_index: int, rids: Sequence[Hashable], positions: torch.Tensor, valid: torch.Tensor
+    ) -> GroupView:
         tables = [self._tables[r][group_index] for r in rids]
         return GroupView(self.groups[group_index], tables, positions, valid, self.block_size)
 
-    def target_caches(self, rids: Sequence[Hashable], positions: torch.Tensor,
-                      valid: torch.Tensor) -> list[PagedLayerCache]:
+    def target_caches(
+        self, rids: Sequence[Hashable], positions: torch.Tensor, valid: torch.Tensor
+    ) -> list[PagedLayerCache]:
         """One cache per target layer for a forward of ``positions`` [B, T] (``valid`` [B, T]:
         padding tokens are False and write to the scratch block)."""
         used = {g for kv, conv, _ in self.target_layout for g in (kv, conv)}
         views = {g: self._view(g, rids, positions, valid) for g in sorted(used)}
-        return [self._layer_cache(views[kv], self.groups[kv].layers[j], views[conv], self.groups[conv].layers[j])
-                for kv, conv, j in self.target_layout]
+        return [
+            self._layer_cache(views[kv], self.groups[kv].layers[j], views[conv], self.groups[conv].layers[j])
+            for kv, conv, j in self.target_layout
+        ]
 
-    def draft_cache(self, depth: int, rids: Sequence[Hashable], positions: torch.Tensor,
-                    valid: torch.Tensor) -> PagedLayerCache:
+    def draft_cache(
+        self, depth: int, rids: Sequence[Hashable], positions: torch.Tensor, valid: torch.Tensor
+    ) -> PagedLayerCache:
         kv, conv = self.draft_layout[depth]
-        return self._layer_cache(self._view(kv, rids, positions, valid), self.groups[kv].layers[0],
-                                 self._view(conv, rids, positions, valid), self.groups[conv].layers[0])
+        return self._layer_cache(
+            self._view(kv, rids, positions, valid),
+            self.groups[kv].layers[0],
+            self._view(conv, rids, positions, valid),
+            self.groups[conv].layers[0],
+        )
 
     def _layer_cache(self, *args) -> PagedLayerCache:
         timer = self.cache_timer
@@ -448,7 +476,7 @@ class PagedKVManager:
     def invalidate_draft(self, rid: Hashable, start: int, end: int) -> None:
         """Forget draft positions [start, end) in every depth group (decode-step gaps)."""
         bs = self.block_size
-        for gi, (g, table) in enumerate(zip(self.groups, self._tables[rid])):
+        for g, table in zip(self.groups, self._tables[rid]):
             if not g.draft:
                 continue
             for p in range(start, end):

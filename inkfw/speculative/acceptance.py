@@ -46,8 +46,9 @@ def _accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
     return accept.long().cumprod(dim=-1).sum(dim=-1)
 
 
-def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
-                  num_drafts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_accept(
+    draft_tokens: torch.Tensor, target_logits: torch.Tensor, num_drafts: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy verification.
 
     ``draft_tokens`` [B, k], ``target_logits`` [B, k+1, V] (probabilities work too: only the
@@ -72,9 +73,14 @@ def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(empty, p, r)
 
 
-def rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
-                     uniforms: torch.Tensor, noise: torch.Tensor,
-                     num_drafts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rejection_sample(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    uniforms: torch.Tensor,
+    noise: torch.Tensor,
+    num_drafts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Lossless speculative sampling (Leviathan et al. / Chen et al.; docs/design.md §3).
 
     ``draft_tokens`` [B, k]; ``draft_probs`` q [B, k, V], the distributions the drafts were
@@ -129,12 +135,14 @@ def rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | Non
     return num_accepted, next_token
 
 
-def emitted_tokens(draft_tokens: torch.Tensor, num_accepted: torch.Tensor, next_token: torch.Tensor,
-                   pad: int = -1) -> torch.Tensor:
+def emitted_tokens(
+    draft_tokens: torch.Tensor, num_accepted: torch.Tensor, next_token: torch.Tensor, pad: int = -1
+) -> torch.Tensor:
     """[B, k+1]: each row's accepted drafts, then ``next_token``, then ``pad``."""
     B, k = draft_tokens.shape
     slots = torch.arange(k + 1, device=draft_tokens.device)[None, :]  # [1, k+1]
-    out = torch.cat([draft_tokens, torch.full((B, 1), pad, dtype=draft_tokens.dtype,
-                                              device=draft_tokens.device)], dim=1)  # [B, k+1]
+    out = torch.cat(
+        [draft_tokens, torch.full((B, 1), pad, dtype=draft_tokens.dtype, device=draft_tokens.device)], dim=1
+    )  # [B, k+1]
     out = torch.where(slots < num_accepted[:, None], out, pad)
     return out.scatter(1, num_accepted[:, None], next_token[:, None].to(out.dtype))

@@ -74,8 +74,10 @@ class EngineConfig:
                 raise ConfigError(f"engine.{name} must be an integer >= 1, got {v!r}.")
         m = self.max_model_len
         if m is not None and (not _is_int(m) or m < 2):
-            raise ConfigError(f"engine.max_model_len must be null or an integer >= 2 (null: the model's "
-                              f"max_position_embeddings), got {m!r}.")
+            raise ConfigError(
+                f"engine.max_model_len must be null or an integer >= 2 (null: the model's "
+                f"max_position_embeddings), got {m!r}."
+            )
         if not isinstance(self.check_drafts, bool):
             raise ConfigError(f"engine.check_drafts must be true or false, got {self.check_drafts!r}.")
         atol = self.check_drafts_atol
@@ -110,7 +112,7 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
+        return self.token_ids[len(self.prompt_token_ids) :]
 
     @property
     def finished(self) -> bool:
@@ -134,16 +136,25 @@ class Engine:
     """Continuous batching over the four seams (see the module docstring). ``sampler`` is the one
     the verifier and drafter were built with; the engine uses it for per-request generators."""
 
-    def __init__(self, model: TargetModel, drafter: Drafter, verifier: Verifier, kv: KVManager,
-                 sampler: TokenSampler | None = None, config: EngineConfig | None = None, tokenizer=None):
+    def __init__(
+        self,
+        model: TargetModel,
+        drafter: Drafter,
+        verifier: Verifier,
+        kv: KVManager,
+        sampler: TokenSampler | None = None,
+        config: EngineConfig | None = None,
+        tokenizer=None,
+    ):
         self.model, self.drafter, self.verifier, self.kv = model, drafter, verifier, kv
         self.sampler = sampler or Sampler()
         self.config = config or EngineConfig()
         self.config.validate()
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
-        self.max_model_len = min(self.config.max_model_len or model.cfg.max_position_embeddings,
-                                 model.cfg.max_position_embeddings)
+        self.max_model_len = min(
+            self.config.max_model_len or model.cfg.max_position_embeddings, model.cfg.max_position_embeddings
+        )
         self.eos_ids = set(model.cfg.eos_token_ids)
         self.vocab_size = model.cfg.vocab_size
         self.waiting: deque[Request] = deque()
@@ -168,8 +179,13 @@ class Engine:
         self.observers.remove(observer)
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, prompt_token_ids: Sequence[int], sampling: SamplingParams | None = None,
-                    max_new_tokens: int = 64, stop: Iterable[str] = ()) -> Request:
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams | None = None,
+        max_new_tokens: int = 64,
+        stop: Iterable[str] = (),
+    ) -> Request:
         """Queue a request; bad input raises :class:`ConfigError` and queues nothing."""
         ids = [int(t) for t in prompt_token_ids]
         sampling = sampling or SamplingParams()
@@ -180,11 +196,20 @@ class Engine:
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}.")
         if len(ids) >= self.max_model_len:
-            raise ConfigError(f"the prompt has {len(ids)} tokens; the model limit is {self.max_model_len} "
-                              f"(prompt + at least one new token).")
-        req = Request(next(self._ids), ids, sampling, max_new_tokens, tuple(stop), token_ids=list(ids),
-                      generator=self.sampler.generator(sampling) if not sampling.greedy else None,
-                      arrival_time=time.perf_counter())
+            raise ConfigError(
+                f"the prompt has {len(ids)} tokens; the model limit is {self.max_model_len} "
+                f"(prompt + at least one new token)."
+            )
+        req = Request(
+            next(self._ids),
+            ids,
+            sampling,
+            max_new_tokens,
+            tuple(stop),
+            token_ids=list(ids),
+            generator=self.sampler.generator(sampling) if not sampling.greedy else None,
+            arrival_time=time.perf_counter(),
+        )
         self.waiting.append(req)
         return req
 
@@ -334,8 +359,12 @@ class Engine:
             if chunk_end == r.num_computed or not self._allocate(r, chunk_end):
                 continue  # no budget left for its prefill, or r was preempted
             budget -= take(r, chunk_end)
-        while (self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0
-               and not self._preempted_this_step):
+        while (
+            self.waiting
+            and len(self.running) < self.config.max_num_seqs
+            and budget > 0
+            and not self._preempted_this_step
+        ):
             r = self.waiting[0]
             r.num_computed = self.kv.add(r.id, r.token_ids)
             chunk_end = self._chunk_end(r, budget)
@@ -343,8 +372,11 @@ class Engine:
                 self.kv.free(r.id)
                 if not self.running:
                     self.waiting.popleft()
-                    self._fail(r, f"request {r.id} needs more KV cache blocks than the pool holds; "
-                                  f"raise kv.num_blocks or lower max_new_tokens.")
+                    self._fail(
+                        r,
+                        f"request {r.id} needs more KV cache blocks than the pool holds; "
+                        f"raise kv.num_blocks or lower max_new_tokens.",
+                    )
                     continue
                 break
             self.waiting.popleft()
@@ -359,8 +391,11 @@ class Engine:
         while not self.kv.ensure(r.id, *self._needs(r, chunk_end)):
             if self.running == [r]:  # alone and still too big: it can never fit
                 self._release(r)
-                self._fail(r, f"request {r.id} needs more KV cache blocks than the pool holds "
-                              f"({len(r.token_ids)} tokens so far); raise kv.num_blocks or lower max_new_tokens.")
+                self._fail(
+                    r,
+                    f"request {r.id} needs more KV cache blocks than the pool holds "
+                    f"({len(r.token_ids)} tokens so far); raise kv.num_blocks or lower max_new_tokens.",
+                )
                 return False
             victim = self.running[-1]
             self._preempt(victim)
@@ -404,9 +439,14 @@ class Engine:
         probs = None
         if any(d.probs is not None for d in rows):
             V = next(d.probs for d in rows if d.probs is not None).shape[-1]
-            probs = torch.stack([
-                F.pad(d.probs[0], (0, 0, 0, k - d.probs.shape[1])) if d.probs is not None
-                else F.one_hot(tokens[b], V).float() for b, d in enumerate(rows)]).to(self.device)
+            probs = torch.stack(
+                [
+                    F.pad(d.probs[0], (0, 0, 0, k - d.probs.shape[1]))
+                    if d.probs is not None
+                    else F.one_hot(tokens[b], V).float()
+                    for b, d in enumerate(rows)
+                ]
+            ).to(self.device)
         return Drafts(tokens, num, probs)
 
     # ------------------------------------------------------------------ outputs
@@ -455,8 +495,9 @@ class Engine:
                 continue
             r = span.request
             drafts = proposed.tokens[b, :n]
-            ref = reference_draft_logits(self.model, torch.tensor(r.token_ids, device=self.device), drafts,
-                                         self.drafter.lookahead, D)  # [n, V]
+            ref = reference_draft_logits(
+                self.model, torch.tensor(r.token_ids, device=self.device), drafts, self.drafter.lookahead, D
+            )  # [n, V]
             mine = proposed.logits[b, :n]
             for s in range(n):
                 diff = float((mine[s] - ref[s]).abs().max())
@@ -467,11 +508,15 @@ class Engine:
                     raise DraftCheckError(
                         f"check_drafts: request {r.id}, draft {s + 1} of {n} (depth {depth}) after "
                         f"{len(r.token_ids)} committed tokens: draft token {d}, reference argmax "
-                        f"{int(ref[s].argmax())}, max |logit diff| {diff:.2e} > {atol:g}.")
+                        f"{int(ref[s].argmax())}, max |logit diff| {diff:.2e} > {atol:g}."
+                    )
 
 
 def _row(drafts: Drafts, b: int, device: torch.device) -> Drafts:
     """Row ``b`` of ``drafts``, trimmed to its own draft count, on ``device``."""
     n = int(drafts.num_drafts[b])
-    return Drafts(drafts.tokens[b: b + 1, :n].to(device), drafts.num_drafts[b: b + 1].to(device),
-                  drafts.probs[b: b + 1, :n].to(device) if drafts.probs is not None else None)
+    return Drafts(
+        drafts.tokens[b : b + 1, :n].to(device),
+        drafts.num_drafts[b : b + 1].to(device),
+        drafts.probs[b : b + 1, :n].to(device) if drafts.probs is not None else None,
+    )

@@ -91,8 +91,9 @@ def _int_option(name: str, value: Any, minimum: int, allow_null: bool = True, hi
     if value is None and allow_null:
         return None
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"{name} must be {'null or ' if allow_null else ''}an integer >= {minimum}{hint}, "
-                          f"got {value!r}.")
+        raise ConfigError(
+            f"{name} must be {'null or ' if allow_null else ''}an integer >= {minimum}{hint}, got {value!r}."
+        )
     return value
 
 
@@ -106,10 +107,15 @@ def drafter_kind(drafter_node: Any) -> str:
 def engine_options(cfg: Any) -> tuple[str, int | None, int | None]:
     """(drafter kind, D requested, k requested), validated without building anything."""
     kind = drafter_kind(cfg.get("drafter"))
-    depths = _int_option("mtp.depths", _get(cfg, "mtp.depths"), 1 if kind == "mtp" else 0,
-                         hint=" (null: all depths the checkpoint ships)")
-    k = _int_option("spec.num_tokens", _get(cfg, "spec.num_tokens"), 1,
-                    hint=" (draft tokens per verify step; null: mtp.depths)")
+    depths = _int_option(
+        "mtp.depths",
+        _get(cfg, "mtp.depths"),
+        1 if kind == "mtp" else 0,
+        hint=" (null: all depths the checkpoint ships)",
+    )
+    k = _int_option(
+        "spec.num_tokens", _get(cfg, "spec.num_tokens"), 1, hint=" (draft tokens per verify step; null: mtp.depths)"
+    )
     return kind, depths, k
 
 
@@ -141,8 +147,9 @@ def engine_config(cfg: Any) -> EngineConfig:
         except TypeError as exc:
             raise ConfigError(f"engine: {exc}.") from exc
     if not isinstance(ec, EngineConfig):
-        raise ConfigError(f"engine: _target_ must build an inkfw.speculative.engine.EngineConfig, "
-                          f"got {type(ec).__name__}.")
+        raise ConfigError(
+            f"engine: _target_ must build an inkfw.speculative.engine.EngineConfig, got {type(ec).__name__}."
+        )
     ec.validate()
     return ec
 
@@ -230,9 +237,13 @@ def build_engine(cfg: Any, model=None, tokenizer=None) -> tuple[Engine, Any]:
     if model is None:
         # build (or read) only the depths the drafter uses; a random-init preset's backbone is
         # the same whatever number of depths is built
-        model = build_model(cfg.model, mtp_depths=depths if kind == "mtp" else 0, dtype=_get(cfg, "dtype", "float32"),
-                            device=_get(cfg, "device", "auto"),
-                            embed_source=_get(cfg, "mtp.embed_source", "backbone_norm"))
+        model = build_model(
+            cfg.model,
+            mtp_depths=depths if kind == "mtp" else 0,
+            dtype=_get(cfg, "dtype", "float32"),
+            device=_get(cfg, "device", "auto"),
+            embed_source=_get(cfg, "mtp.embed_source", "backbone_norm"),
+        )
         if depths is not None:  # no more than ship, whichever drafter runs
             model.cfg.mtp_depths_to_build(depths, source=_model_source(cfg.model))
     if tokenizer is None and cfg.get("model") is not None:
@@ -250,11 +261,24 @@ def build_engine(cfg: Any, model=None, tokenizer=None) -> tuple[Engine, Any]:
 
     device = next(model.parameters()).device
     sampler = _call("sampler", _factory(cfg, "sampler", _default_sampler), device=device)
-    drafter = _call("drafter", _factory(cfg, "drafter", _default_drafter), model=model, num_tokens=k,
-                    num_depths=num_depths, sampler=sampler)
+    drafter = _call(
+        "drafter",
+        _factory(cfg, "drafter", _default_drafter),
+        model=model,
+        num_tokens=k,
+        num_depths=num_depths,
+        sampler=sampler,
+    )
     verifier = _call("verifier", _factory(cfg, "verifier", _default_verifier), model=model, sampler=sampler)
-    kv = _call("kv", _factory(cfg, "kv", _default_kv), model=model, num_draft_depths=drafter.num_depths,
-               lookahead=drafter.lookahead, num_draft_tokens=drafter.num_tokens, max_model_len=ec.max_model_len,
-               max_num_seqs=ec.max_num_seqs, max_num_batched_tokens=ec.max_num_batched_tokens)
+    kv = _call(
+        "kv",
+        _factory(cfg, "kv", _default_kv),
+        model=model,
+        num_draft_depths=drafter.num_depths,
+        lookahead=drafter.lookahead,
+        num_draft_tokens=drafter.num_tokens,
+        max_model_len=ec.max_model_len,
+        max_num_seqs=ec.max_num_seqs,
+        max_num_batched_tokens=ec.max_num_batched_tokens,
+    )
     return Engine(model, drafter, verifier, kv, sampler=sampler, config=ec, tokenizer=tokenizer), tokenizer
-

@@ -60,13 +60,20 @@ class TargetModel(Protocol):
     @property
     def num_mtp_depths(self) -> int: ...
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                 caches: Sequence[LayerCache] | None = None) -> torch.Tensor: ...  # [B, T] -> hidden [B, T, H]
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, caches: Sequence[LayerCache] | None = None
+    ) -> torch.Tensor: ...  # [B, T] -> hidden [B, T, H]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [..., H] -> [..., V]
 
-    def mtp_step(self, depth: int, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
-                 cache: LayerCache | None = None) -> torch.Tensor: ...  # g_d [B, T, H] -> g_{d+1} [B, T, H]
+    def mtp_step(
+        self,
+        depth: int,
+        hidden: torch.Tensor,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: LayerCache | None = None,
+    ) -> torch.Tensor: ...  # g_d [B, T, H] -> g_{d+1} [B, T, H]
 
     def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]: ...
 
@@ -127,8 +134,9 @@ class Drafts:
 
     @staticmethod
     def empty(batch: int, device: torch.device | str = "cpu") -> Drafts:
-        return Drafts(torch.zeros(batch, 0, dtype=torch.long, device=device),
-                      torch.zeros(batch, dtype=torch.long, device=device))
+        return Drafts(
+            torch.zeros(batch, 0, dtype=torch.long, device=device), torch.zeros(batch, dtype=torch.long, device=device)
+        )
 
 
 class KVManager(Protocol):
@@ -139,10 +147,12 @@ class KVManager(Protocol):
     def free(self, rid: Hashable) -> None: ...
     def finalize(self, rid: Hashable, tokens: Sequence[int], num_final: int) -> None: ...
     def trim(self, rid: Hashable, first_query: int) -> None: ...
-    def target_caches(self, rids: Sequence[Hashable], positions: torch.Tensor,
-                      valid: torch.Tensor) -> list[LayerCache]: ...
-    def draft_cache(self, depth: int, rids: Sequence[Hashable], positions: torch.Tensor,
-                    valid: torch.Tensor) -> LayerCache: ...
+    def target_caches(
+        self, rids: Sequence[Hashable], positions: torch.Tensor, valid: torch.Tensor
+    ) -> list[LayerCache]: ...
+    def draft_cache(
+        self, depth: int, rids: Sequence[Hashable], positions: torch.Tensor, valid: torch.Tensor
+    ) -> LayerCache: ...
     def invalidate_draft(self, rid: Hashable, start: int, end: int) -> None: ...
     def is_whole(self) -> bool: ...
 
@@ -157,11 +167,13 @@ class TokenSampler(Protocol):
 
     def sample(self, probs: torch.Tensor, generators: Generators = None) -> torch.Tensor: ...
 
-    def acceptance_draws(self, generators: Generators, num_drafts: torch.Tensor, width: int, vocab: int,
-                         device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def acceptance_draws(
+        self, generators: Generators, num_drafts: torch.Tensor, width: int, vocab: int, device: torch.device | str
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def __call__(self, logits: torch.Tensor, params: SamplingParams | Sequence[SamplingParams],
-                 generators: Generators = None) -> torch.Tensor: ...
+    def __call__(
+        self, logits: torch.Tensor, params: SamplingParams | Sequence[SamplingParams], generators: Generators = None
+    ) -> torch.Tensor: ...
 
 
 class Drafter(Protocol):
@@ -176,8 +188,9 @@ class Drafter(Protocol):
     num_depths: int  # draft cache groups it needs (MTP depths; 0 without a cache)
     needs_hidden: bool  # whether spans must carry target hidden states
 
-    def propose(self, spans: Sequence[DraftSpan], kv: KVManager, run: ForwardRunner,
-                keep_logits: bool = False) -> Drafts: ...
+    def propose(
+        self, spans: Sequence[DraftSpan], kv: KVManager, run: ForwardRunner, keep_logits: bool = False
+    ) -> Drafts: ...
 
     def release(self, rid: Hashable) -> None: ...
 
@@ -199,5 +212,4 @@ class Verifier(Protocol):
     ``model`` and ``sampler``.
     """
 
-    def verify(self, kv: KVManager, requests: Sequence[RequestLike], drafts: Drafts,
-               run: ForwardRunner) -> Verdict: ...
+    def verify(self, kv: KVManager, requests: Sequence[RequestLike], drafts: Drafts, run: ForwardRunner) -> Verdict: ...

@@ -20,9 +20,15 @@ from inkfw.speculative.sampling import Sampler, SamplingParams
 
 
 @torch.no_grad()
-def speculative_generate(model: TargetModel, prompt_ids: Sequence[int], num_tokens: int, depths: int,
-                         sampling: SamplingParams | None = None, max_new_tokens: int = 32,
-                         sampler: TokenSampler | None = None) -> list[int]:
+def speculative_generate(
+    model: TargetModel,
+    prompt_ids: Sequence[int],
+    num_tokens: int,
+    depths: int,
+    sampling: SamplingParams | None = None,
+    max_new_tokens: int = 32,
+    sampler: TokenSampler | None = None,
+) -> list[int]:
     """New tokens after ``prompt_ids``: k = ``num_tokens`` drafts per verify step from D = ``depths``."""
     sampling, device = sampling or SamplingParams(), next(model.parameters()).device
     sampler = sampler or Sampler(device)
@@ -42,8 +48,11 @@ def speculative_generate(model: TargetModel, prompt_ids: Sequence[int], num_toke
             qs.append(q[0])
 
     # prefill: final target states [1, L-1, H] of positions 0 .. L-2 (x[L-1] is fed by the first verify step)
-    hidden = (model(tensor(x[:-1]), tensor(list(range(len(x) - 1))), target) if len(x) > 1
-              else torch.zeros(1, 0, model.cfg.hidden_size, dtype=next(model.parameters()).dtype, device=device))
+    hidden = (
+        model(tensor(x[:-1]), tensor(list(range(len(x) - 1))), target)
+        if len(x) > 1
+        else torch.zeros(1, 0, model.cfg.hidden_size, dtype=next(model.parameters()).dtype, device=device)
+    )
     while True:
         L = len(x)
         n = max(0, min(k, max_new_tokens - len(out) - 1, max_len - L)) if L > 1 else 0  # drafts need a final state
@@ -53,7 +62,7 @@ def speculative_generate(model: TargetModel, prompt_ids: Sequence[int], num_toke
             mtp = DenseModelCache(model, 1, L + k).mtp
             g, positions = hidden, tensor(list(range(L - 1)))
             for s in range(min(P, n)):
-                g = model.mtp_step(s, g, tensor((x + drafts)[s + 1: s + L]), positions, mtp[s])  # x[t+s+1]
+                g = model.mtp_step(s, g, tensor((x + drafts)[s + 1 : s + L]), positions, mtp[s])  # x[t+s+1]
                 draft(model.logits(g[0, -1]))
             for s in range(P, n):  # k > D: decode steps; depth s % D sees its prefill state and its own writes
                 g = model.mtp_step(s % D, g[:, -1:], tensor([drafts[-1]]), tensor([L - 2 + s - P + 1]), mtp[s % D])

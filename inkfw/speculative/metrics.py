@@ -52,8 +52,9 @@ class SpecMetrics:
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: steps that accepted draft i
     drafted_per_position: list[int] = field(default_factory=list)  # [i]: steps that drafted a token at i
 
-    def record(self, num_drafts: torch.Tensor | Sequence[int] | int,
-               num_accepted: torch.Tensor | Sequence[int] | int) -> None:
+    def record(
+        self, num_drafts: torch.Tensor | Sequence[int] | int, num_accepted: torch.Tensor | Sequence[int] | int
+    ) -> None:
         """Record one verify step of each request: ``num_drafts`` and ``num_accepted``, ints
         or [B] tensors/sequences with ``0 <= num_accepted <= num_drafts`` elementwise."""
         drafts, accepted = _as_list(num_drafts), _as_list(num_accepted)
@@ -78,8 +79,10 @@ class SpecMetrics:
         self.num_drafts += other.num_drafts
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
-        for mine, theirs in ((self.accepted_per_position, other.accepted_per_position),
-                             (self.drafted_per_position, other.drafted_per_position)):
+        for mine, theirs in (
+            (self.accepted_per_position, other.accepted_per_position),
+            (self.drafted_per_position, other.drafted_per_position),
+        ):
             mine.extend([0] * (len(theirs) - len(mine)))
             for i, c in enumerate(theirs):
                 mine[i] += c

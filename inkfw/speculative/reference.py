@@ -13,8 +13,9 @@ from inkfw.speculative.interfaces import TargetModel
 
 
 @torch.no_grad()
-def greedy_reference_drafts(model: TargetModel, ids: torch.Tensor, num_steps: int | None = None,
-                            hidden: torch.Tensor | None = None) -> torch.Tensor:
+def greedy_reference_drafts(
+    model: TargetModel, ids: torch.Tensor, num_steps: int | None = None, hidden: torch.Tensor | None = None
+) -> torch.Tensor:
     """Greedy drafts after the committed sequence ``ids`` [B, N].
 
     The target's next token x[N] = b comes first (as after a verify step); then step s uses
@@ -32,14 +33,15 @@ def greedy_reference_drafts(model: TargetModel, ids: torch.Tensor, num_steps: in
     g = model(ids, positions) if hidden is None else hidden  # [B, N, H]
     tokens = torch.cat([ids, model.logits(g[:, -1]).argmax(-1, keepdim=True)], dim=1)  # [B, N + 1]
     for s in range(k):
-        g = model.mtp_step(s, g, tokens[:, s + 1: s + 1 + N], positions)  # [B, N, H]
+        g = model.mtp_step(s, g, tokens[:, s + 1 : s + 1 + N], positions)  # [B, N, H]
         tokens = torch.cat([tokens, model.logits(g[:, -1]).argmax(-1, keepdim=True)], dim=1)
     return tokens[:, N:]
 
 
 @torch.no_grad()
-def reference_draft_logits(model: TargetModel, committed: torch.Tensor, drafts: torch.Tensor,
-                           num_prefill_steps: int, num_depths: int) -> torch.Tensor:
+def reference_draft_logits(
+    model: TargetModel, committed: torch.Tensor, drafts: torch.Tensor, num_prefill_steps: int, num_depths: int
+) -> torch.Tensor:
     """Draft logits the engine must reproduce, recomputed from scratch for one request.
 
     ``committed`` [L] tokens, ``drafts`` [n] the drafts the engine chose (each step is fed the
@@ -59,11 +61,11 @@ def reference_draft_logits(model: TargetModel, committed: torch.Tensor, drafts: 
     g = model(ids[:, :N], positions)  # [1, N, H]
     out = []
     for s in range(min(n, P)):
-        g = model.mtp_step(s, g, ids[:, s + 1: s + 1 + N], positions, caches[s])
+        g = model.mtp_step(s, g, ids[:, s + 1 : s + 1 + N], positions, caches[s])
         out.append(model.logits(g[0, -1]).float())
     g_last = g[:, -1:]
     for s in range(P, n):
         pos = torch.full((1, 1), N - 1 + s - P + 1, device=ids.device)
-        g_last = model.mtp_step(s % D, g_last, ids[:, L - 1 + s: L + s], pos, caches[s % D])
+        g_last = model.mtp_step(s % D, g_last, ids[:, L - 1 + s : L + s], pos, caches[s % D])
         out.append(model.logits(g_last[0, -1]).float())
     return torch.stack(out)

@@ -134,8 +134,9 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams | Sequence[Samp
 
 
 # --------------------------------------------------------------------------- randomness
-def uniform_draws(generators: Generators, counts: torch.Tensor | Sequence[int], width: int,
-                  device: torch.device | str) -> torch.Tensor:
+def uniform_draws(
+    generators: Generators, counts: torch.Tensor | Sequence[int], width: int, device: torch.device | str
+) -> torch.Tensor:
     """[N, width] float64 uniforms in [0, 1); row b needs ``counts[b]`` (<= width) of them.
 
     With per-row generators row b draws exactly ``counts[b]`` values from its own generator
@@ -150,8 +151,9 @@ def uniform_draws(generators: Generators, counts: torch.Tensor | Sequence[int], 
     out = torch.ones(N, width, dtype=torch.float64, device=device)
     for b, (g, n) in enumerate(zip(gens, counts)):
         if n:
-            out[b, :n] = torch.rand(n, generator=g, device=device if g is None else g.device,
-                                    dtype=torch.float64).to(device)
+            out[b, :n] = torch.rand(n, generator=g, device=device if g is None else g.device, dtype=torch.float64).to(
+                device
+            )
     return out
 
 
@@ -200,8 +202,14 @@ class Sampler:
     none of their own; they change nothing else the sampler does.
     """
 
-    def __init__(self, device: torch.device | str = "cpu", temperature: float = 0.0, top_k: int | None = None,
-                 top_p: float = 1.0, seed: int | None = None):
+    def __init__(
+        self,
+        device: torch.device | str = "cpu",
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ):
         self.device = torch.device(device)
         self.defaults = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
@@ -223,8 +231,13 @@ class Sampler:
         return sample(probs, generators)
 
     @staticmethod
-    def acceptance_draws(generators: Generators, num_drafts: torch.Tensor | Sequence[int], width: int, vocab: int,
-                         device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    def acceptance_draws(
+        generators: Generators,
+        num_drafts: torch.Tensor | Sequence[int],
+        width: int,
+        vocab: int,
+        device: torch.device | str,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The random numbers of one rejection-sampling step (docs/design.md §3), in the order
         they are drawn: ``uniforms`` [B, width] float64 (row b uses its first ``num_drafts[b]``,
         the only ones drawn from a per-row generator), then ``noise`` [B, vocab] float32 Exp(1)
@@ -233,8 +246,9 @@ class Sampler:
         noise = exponential_draws(generators, len(num_drafts), vocab, device)  # [B, V]
         return uniforms, noise
 
-    def __call__(self, logits: torch.Tensor, params: SamplingParams | Sequence[SamplingParams],
-                 generators: Generators = None) -> torch.Tensor:
+    def __call__(
+        self, logits: torch.Tensor, params: SamplingParams | Sequence[SamplingParams], generators: Generators = None
+    ) -> torch.Tensor:
         """Next token [N] (long) for ``logits`` [N, V]."""
         rows = _per_row(params, logits.shape[0])
         tokens = logits.argmax(dim=-1)  # [N]

@@ -35,8 +35,9 @@ class TargetVerifier:
         self.sampler = sampler or Sampler()
 
     @torch.no_grad()
-    def verify(self, kv: KVManager, requests: Sequence[RequestLike], drafts: Drafts,
-               run: ForwardRunner = run_directly) -> Verdict:
+    def verify(
+        self, kv: KVManager, requests: Sequence[RequestLike], drafts: Drafts, run: ForwardRunner = run_directly
+    ) -> Verdict:
         device = drafts.tokens.device
         B, k = drafts.tokens.shape
         last = torch.tensor([r.token_ids[-1] for r in requests], device=device)
@@ -51,14 +52,16 @@ class TargetVerifier:
         num_accepted, next_tokens = self.accept(logits, requests, drafts)
         return Verdict(num_accepted, next_tokens, hidden)
 
-    def accept(self, logits: torch.Tensor, requests: Sequence[RequestLike],
-               drafts: Drafts) -> tuple[torch.Tensor, torch.Tensor]:
+    def accept(
+        self, logits: torch.Tensor, requests: Sequence[RequestLike], drafts: Drafts
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(num_accepted [B], next_tokens [B])`` from the target's ``logits`` [B, 1+k, V]."""
         params = [r.sampling for r in requests]
         if all(p.greedy for p in params):
             return greedy_accept(drafts.tokens, logits, drafts.num_drafts)
         B, k = drafts.tokens.shape
         p = self.sampler.probs(logits, params)  # [B, 1+k, V]
-        uniforms, noise = self.sampler.acceptance_draws([r.generator for r in requests], drafts.num_drafts, k,
-                                                        p.shape[-1], p.device)  # [B, k], [B, V]
+        uniforms, noise = self.sampler.acceptance_draws(
+            [r.generator for r in requests], drafts.num_drafts, k, p.shape[-1], p.device
+        )  # [B, k], [B, V]
         return rejection_sample(drafts.tokens, drafts.probs, p, uniforms, noise, drafts.num_drafts)

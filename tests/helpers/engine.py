@@ -38,9 +38,15 @@ def one_thread():
 
 def spec_config(**overrides):
     """4 layers (local 0 and 2, global 1 and 3), window 16, 4 MTP depths (local 0 and 2)."""
-    base = dict(vocab_size=128, unpadded_vocab_size=120, sliding_window=WINDOW, rel_extent=32,
-                local_layer_ids=[0, 2], max_position_embeddings=MAX_LEN,
-                mtp=MtpConfig(num_nextn_predict_layers=4, chain_hidden_post_norm=True, local_layer_ids=[0, 2]))
+    base = dict(
+        vocab_size=128,
+        unpadded_vocab_size=120,
+        sliding_window=WINDOW,
+        rel_extent=32,
+        local_layer_ids=[0, 2],
+        max_position_embeddings=MAX_LEN,
+        mtp=MtpConfig(num_nextn_predict_layers=4, chain_hidden_post_norm=True, local_layer_ids=[0, 2]),
+    )
     base.update(overrides)
     return tiny_config(**base)
 
@@ -84,29 +90,49 @@ def _value(v) -> str:
     return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
 
 
-def make_engine(model, drafter: Sequence[str], *, verifier: Sequence[str] = (), prefix_caching: bool = True,
-                num_blocks: int | None = None, max_num_batched_tokens: int = 512, max_num_seqs: int = 16,
-                check_drafts: bool = True, max_model_len: int | None = None,
-                overrides: Sequence[str] = ()) -> tuple[Engine, PagedKVManager]:
+def make_engine(
+    model,
+    drafter: Sequence[str],
+    *,
+    verifier: Sequence[str] = (),
+    prefix_caching: bool = True,
+    num_blocks: int | None = None,
+    max_num_batched_tokens: int = 512,
+    max_num_seqs: int = 16,
+    check_drafts: bool = True,
+    max_model_len: int | None = None,
+    overrides: Sequence[str] = (),
+) -> tuple[Engine, PagedKVManager]:
     """An engine around ``model`` from :func:`build_engine`; ``drafter`` and ``verifier`` are config
     overrides (:func:`mtp`, :data:`NO_DRAFTER`, :func:`ngram`, :func:`random_accept`, :func:`double`)."""
-    cfg = serving_config([
-        "model=inkling-debug",  # the model is given; this node names no checkpoint, so no tokenizer is read
-        *drafter, *verifier,
-        f"kv.block_size={BLOCK}", f"kv.num_blocks={_value(num_blocks)}",
-        f"kv.enable_prefix_caching={_value(prefix_caching)}",
-        f"engine.max_num_seqs={max_num_seqs}", f"engine.max_num_batched_tokens={max_num_batched_tokens}",
-        f"engine.check_drafts={_value(check_drafts)}", f"engine.max_model_len={_value(max_model_len)}",
-        *overrides])
+    cfg = serving_config(
+        [
+            "model=inkling-debug",  # the model is given; this node names no checkpoint, so no tokenizer is read
+            *drafter,
+            *verifier,
+            f"kv.block_size={BLOCK}",
+            f"kv.num_blocks={_value(num_blocks)}",
+            f"kv.enable_prefix_caching={_value(prefix_caching)}",
+            f"engine.max_num_seqs={max_num_seqs}",
+            f"engine.max_num_batched_tokens={max_num_batched_tokens}",
+            f"engine.check_drafts={_value(check_drafts)}",
+            f"engine.max_model_len={_value(max_model_len)}",
+            *overrides,
+        ]
+    )
     engine, _ = build_engine(cfg, model=model)
     assert isinstance(engine.kv, PagedKVManager)
     return engine, engine.kv
 
 
-def generate(model, drafter: Sequence[str], prompts: Sequence[Sequence[int]],
-             max_new_tokens: int | Sequence[int] = 12,
-             params: SamplingParams | Sequence[SamplingParams] | None = None,
-             **engine_kw) -> tuple[list[Request], Engine, PagedKVManager]:
+def generate(
+    model,
+    drafter: Sequence[str],
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int | Sequence[int] = 12,
+    params: SamplingParams | Sequence[SamplingParams] | None = None,
+    **engine_kw,
+) -> tuple[list[Request], Engine, PagedKVManager]:
     """Run ``prompts`` to completion in one engine; every request must finish without an error
     and the KV pool must be whole afterwards."""
     eng, kv = make_engine(model, drafter, **engine_kw)
@@ -133,7 +159,7 @@ def uncached_greedy(model: InklingLM, prompt: Sequence[int], max_new_tokens: int
         ids.append(t)
         if t in eos:
             break
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 class RandomAcceptVerifier(TargetVerifier):
@@ -213,7 +239,7 @@ class OracleDrafter:
             full = self.continuation(r.prompt_token_ids)
             L, n = len(r.token_ids), min(self.num_tokens, span.num_drafts)
             assert r.token_ids == full[:L]  # greedy verification never lets a wrong token through
-            true = (full[L: L + n] + [0] * n)[:n]
+            true = (full[L : L + n] + [0] * n)[:n]
             drafts = [t if self.rng.random() < 0.75 else (t + 1) % vocab for t in true]
             tokens[b, :n] = torch.tensor(drafts, dtype=torch.long)
             num[b] = n
@@ -236,6 +262,7 @@ class FixedTokenSampler(Sampler):
         probs = super().probs(logits, params)
         rows = [params] * logits.shape[0] if isinstance(params, SamplingParams) else list(params)
         sampled = torch.tensor([not r.greedy for r in rows], device=logits.device)
-        fixed = torch.nn.functional.one_hot(torch.full(logits.shape[:-1], self.token, device=logits.device),
-                                            logits.shape[-1]).to(probs.dtype)
+        fixed = torch.nn.functional.one_hot(
+            torch.full(logits.shape[:-1], self.token, device=logits.device), logits.shape[-1]
+        ).to(probs.dtype)
         return torch.where(sampled.view(-1, *[1] * (logits.dim() - 1)), fixed, probs)

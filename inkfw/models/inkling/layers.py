@@ -136,8 +136,9 @@ class AttentionTerms:
             self._tau[key] = tau[:, None, :, None]
         return self._tau[key]
 
-    def bias_columns(self, key_positions: torch.Tensor, extent: int, window: int | None, heads: int,
-                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def bias_columns(
+        self, key_positions: torch.Tensor, extent: int, window: int | None, heads: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(columns [B, H, T, S], tail [B, H, T, 2]) for :meth:`RelativeBias.masked` against keys at
         ``key_positions`` [B, S]; the tail holds 0 and -inf in ``dtype``."""
         for kp, e, w, h, dt, columns, tail in self._columns:
@@ -184,8 +185,9 @@ class Attention(nn.Module):
         self.v_sconv = ShortConv(kv_dim, cfg.conv_kernel_size, V_SCONV)
         self.rel_bias = RelativeBias(cfg.d_rel, extent)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerCache | None,
-                terms: AttentionTerms | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, cache: LayerCache | None, terms: AttentionTerms | None = None
+    ) -> torch.Tensor:
         B, T, _ = x.shape
         terms = terms if terms is not None else AttentionTerms(positions)
         q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)  # [B, Hq, T, D]
@@ -206,8 +208,12 @@ class Attention(nn.Module):
             q, mask = _scale(q, tau), _scale(mask, tau)
 
         out = F.scaled_dot_product_attention(
-            q, _as(keys.transpose(1, 2), q.dtype), _as(values.transpose(1, 2), q.dtype),
-            attn_mask=_as(mask, q.dtype), scale=1.0 / self.head_dim, enable_gqa=True,
+            q,
+            _as(keys.transpose(1, 2), q.dtype),
+            _as(values.transpose(1, 2), q.dtype),
+            attn_mask=_as(mask, q.dtype),
+            scale=1.0 / self.head_dim,
+            enable_gqa=True,
         )  # [B, Hq, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
@@ -333,8 +339,13 @@ class MoE(nn.Module):
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         expert_ids, weights, gammas = self.router(x)
-        y = torch.cat([self._all_experts(self.shared_gate_up, self.shared_down, x),
-                       self._all_experts(self.experts_gate_up, self.experts_down, x)], dim=-3)  # [..., S + E, 1, H]
+        y = torch.cat(
+            [
+                self._all_experts(self.shared_gate_up, self.shared_down, x),
+                self._all_experts(self.experts_gate_up, self.experts_down, x),
+            ],
+            dim=-3,
+        )  # [..., S + E, 1, H]
         routed = weights.new_zeros(*x.shape[:-1], self.experts_gate_up.shape[0])  # [..., E]
         routing = torch.cat([gammas, routed.scatter_(-1, expert_ids, weights)], dim=-1)  # [..., S + E], 0: not chosen
         return self._weighted_sum(y, routing)
@@ -346,8 +357,9 @@ class MoE(nn.Module):
         gate, up = (rows @ self.experts_gate_up[expert_ids].mT).chunk(2, dim=-1)  # [..., k, 1, I] each
         routed = (F.silu(gate) * up) @ self.experts_down[expert_ids].mT  # [..., k, 1, H]
         shared = self._all_experts(self.shared_gate_up, self.shared_down, x)  # [..., S, 1, H]
-        return self._weighted_sum(torch.cat([shared, routed], dim=-3),
-                                  torch.cat([gammas, weights.gather(-1, order)], dim=-1))
+        return self._weighted_sum(
+            torch.cat([shared, routed], dim=-3), torch.cat([gammas, weights.gather(-1, order)], dim=-1)
+        )
 
     def _grouped(self, flat: torch.Tensor) -> torch.Tensor:
         # flat [N, H] -> [N, H] fp32
@@ -374,8 +386,8 @@ class MoE(nn.Module):
 class Block(nn.Module):
     """One Inkling block (pre-norm, residual)::
 
-        h = h + attn_sconv(attention(attn_norm(h)))
-        h = h + mlp_sconv(mlp(mlp_norm(h)))
+    h = h + attn_sconv(attention(attn_norm(h)))
+    h = h + mlp_sconv(mlp(mlp_norm(h)))
     """
 
     def __init__(self, cfg: InklingConfig, local: bool, moe: bool):
@@ -388,8 +400,13 @@ class Block(nn.Module):
         self.mlp = MoE(cfg) if moe else DenseMLP(h, cfg.intermediate_size)
         self.mlp_sconv = ShortConv(h, cfg.conv_kernel_size, MLP_SCONV)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, cache: LayerCache | None = None,
-                terms: AttentionTerms | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        cache: LayerCache | None = None,
+        terms: AttentionTerms | None = None,
+    ) -> torch.Tensor:
         """``terms``: the forward's shared :class:`AttentionTerms` (None: this block builds its own)."""
         h = h + self.attn_sconv(self.attn(self.attn_norm(h), positions, cache, terms), positions, cache)
         h = h + self.mlp_sconv(self.mlp(self.mlp_norm(h)), positions, cache)

@@ -33,15 +33,17 @@ class InklingBackbone(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.use_embed_norm else None
         self.layers = nn.ModuleList(
-            [Block(cfg, local=cfg.is_local(i), moe=cfg.is_moe(i)) for i in range(cfg.num_layers)])
+            [Block(cfg, local=cfg.is_local(i), moe=cfg.is_moe(i)) for i in range(cfg.num_layers)]
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def embed_tokens(self, input_ids: torch.Tensor, normed: bool = True) -> torch.Tensor:
         e = self.embed(input_ids)
         return self.embed_norm(e) if normed and self.embed_norm is not None else e
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                caches: Sequence[LayerCache] | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, caches: Sequence[LayerCache] | None = None
+    ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)  # [B, T, H]
         terms = AttentionTerms(positions)  # position-only attention terms, shared by every layer
         for i, layer in enumerate(self.layers):
@@ -85,8 +87,9 @@ class InklingLM(nn.Module):
         return self
 
     # ---------------------------------------------------------------- target
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                caches: Sequence[LayerCache] | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, caches: Sequence[LayerCache] | None = None
+    ) -> torch.Tensor:
         """input_ids [B, T] -> final-normed hidden states [B, T, H]."""
         if positions is None:
             positions = default_positions(input_ids)
@@ -101,14 +104,26 @@ class InklingLM(nn.Module):
     def mtp_embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.backbone.embed_tokens(token_ids, normed=self.embed_source == "backbone_norm")
 
-    def mtp_step(self, depth: int, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
-                 cache: LayerCache | None = None) -> torch.Tensor:
+    def mtp_step(
+        self,
+        depth: int,
+        hidden: torch.Tensor,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: LayerCache | None = None,
+    ) -> torch.Tensor:
         """One depth over a span: g_d [B, T, H] and tokens x[t+d+1] [B, T] -> g_{d+1} [B, T, H]."""
         assert self.mtp is not None, "model was built without MTP depths"
         return self.mtp(depth, hidden, self.mtp_embed(token_ids), positions, cache)
 
-    def mtp_chain(self, hidden: torch.Tensor, input_ids: torch.Tensor, num_depths: int | None = None,
-                  positions: torch.Tensor | None = None, frozen_depths: int = 0) -> list[torch.Tensor]:
+    def mtp_chain(
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        num_depths: int | None = None,
+        positions: torch.Tensor | None = None,
+        frozen_depths: int = 0,
+    ) -> list[torch.Tensor]:
         """Teacher-forced chain over whole sequences (training, reference drafts).
 
         hidden [B, T, H] = target hidden states of input_ids [B, T]. Returns g_1..g_D, each
@@ -123,7 +138,7 @@ class InklingLM(nn.Module):
         for d in range(depths):
             # tokens x[t+d+1], padded with 0 past the end
             shifted = torch.zeros_like(input_ids)  # [B, T]
-            shifted[:, : max(0, input_ids.shape[1] - d - 1)] = input_ids[:, d + 1:]
+            shifted[:, : max(0, input_ids.shape[1] - d - 1)] = input_ids[:, d + 1 :]
             with torch.set_grad_enabled(torch.is_grad_enabled() and d >= frozen_depths):
                 g = self.mtp_step(d, g, shifted, positions)
             outs.append(g)

@@ -35,10 +35,17 @@ class _RowState:
 class MtpDrafter:
     needs_hidden = True
 
-    def __init__(self, model: TargetModel, num_tokens: int | None = None, num_depths: int | None = None,
-                 sampler: TokenSampler | None = None, **_: object):
-        view = DraftView.from_config(model.cfg, num_depths if num_depths is not None else model.num_mtp_depths,
-                                     num_tokens)
+    def __init__(
+        self,
+        model: TargetModel,
+        num_tokens: int | None = None,
+        num_depths: int | None = None,
+        sampler: TokenSampler | None = None,
+        **_: object,
+    ):
+        view = DraftView.from_config(
+            model.cfg, num_depths if num_depths is not None else model.num_mtp_depths, num_tokens
+        )
         if view.depths > model.num_mtp_depths:
             raise ValueError(f"model has {model.num_mtp_depths} MTP depths, drafter wants {view.depths}")
         self.model = model
@@ -52,8 +59,9 @@ class MtpDrafter:
         self._rows.pop(rid, None)
 
     @torch.no_grad()
-    def propose(self, spans: Sequence[DraftSpan], kv: KVManager, run: ForwardRunner = run_directly,
-                keep_logits: bool = False) -> Drafts:
+    def propose(
+        self, spans: Sequence[DraftSpan], kv: KVManager, run: ForwardRunner = run_directly, keep_logits: bool = False
+    ) -> Drafts:
         model, k, D, P = self.model, self.num_tokens, self.num_depths, self.lookahead
         device = next(model.parameters()).device
         B = len(spans)
@@ -67,12 +75,13 @@ class MtpDrafter:
             if state is None:
                 state = _RowState(span.start, span.hidden[:0])
             assert span.start == state.next_start, (
-                f"request {span.request.id}: span starts at {span.start}, drafter expected {state.next_start}")
+                f"request {span.request.id}: span starts at {span.start}, drafter expected {state.next_start}"
+            )
             r = 0 if span.num_accepted is None else min(max(0, P - 1 - span.num_accepted), len(state.tail))
-            hidden_rows.append(torch.cat([state.tail[len(state.tail) - r:], span.hidden]))  # [T_b, H]
+            hidden_rows.append(torch.cat([state.tail[len(state.tail) - r :], span.hidden]))  # [T_b, H]
             starts.append(span.start - r)
             both = torch.cat([state.tail, span.hidden])
-            self._rows[span.request.id] = _RowState(span.start + len(span.hidden), both[max(0, len(both) - (P - 1)):])
+            self._rows[span.request.id] = _RowState(span.start + len(span.hidden), both[max(0, len(both) - (P - 1)) :])
         lengths = [len(h) for h in hidden_rows]
         T = max(lengths)
         ar = torch.arange(T)
@@ -86,12 +95,13 @@ class MtpDrafter:
         # ext[b, i] = x[start_b + 1 + i]; drafts are written in as they are sampled
         ext = torch.zeros(B, T + k, dtype=torch.long)
         for b, span in enumerate(spans):
-            known = span.request.token_ids[starts[b] + 1: starts[b] + 1 + T + k]
+            known = span.request.token_ids[starts[b] + 1 : starts[b] + 1 + T + k]
             ext[b, : len(known)] = torch.tensor(known, dtype=torch.long)
         ext = ext.to(device)
         want = torch.tensor([s.num_drafts for s in spans])  # [B]
-        draft_at = torch.tensor([len(s.request.token_ids) - starts[b] - 1 for b, s in enumerate(spans)],
-                                device=device)  # ext index of d_1 = x[L]
+        draft_at = torch.tensor(
+            [len(s.request.token_ids) - starts[b] - 1 for b, s in enumerate(spans)], device=device
+        )  # ext index of d_1 = x[L]
         rows = torch.arange(B, device=device)
         last = (len_t - 1).to(device)
 
@@ -124,7 +134,7 @@ class MtpDrafter:
         # ---- prefill steps: depth s over the whole span
         for s in range(P):
             cache = kv.draft_cache(s, rids, positions, valid)
-            g = run(model.mtp_step, s, g, ext[:, s: s + T], positions, cache)  # [B, T, H]
+            g = run(model.mtp_step, s, g, ext[:, s : s + T], positions, cache)  # [B, T, H]
             if most > s:
                 choose(s, run(model.logits, g[rows, last]))
 
@@ -139,15 +149,16 @@ class MtpDrafter:
                 active = (want_dev > s)[:, None]  # [B, 1]
                 pos = (ends_t + (s - P + 1))[:, None]  # [B, 1]
                 cache = kv.draft_cache(s % D, rids, pos, active)
-                g_last = run(model.mtp_step, s % D, g_last, tokens[:, s - 1: s], pos, cache)
+                g_last = run(model.mtp_step, s % D, g_last, tokens[:, s - 1 : s], pos, cache)
                 choose(s, run(model.logits, g_last[:, 0]))
 
         num = want.clamp(max=k).to(device)
         q_all = None
         if any(p is not None for p in probs):
             V = next(p for p in probs if p is not None).shape[-1]
-            q_all = torch.stack([p if p is not None else F.one_hot(tokens[:, i], V).float()
-                                 for i, p in enumerate(probs)], dim=1)  # [B, k, V]
+            q_all = torch.stack(
+                [p if p is not None else F.one_hot(tokens[:, i], V).float() for i, p in enumerate(probs)], dim=1
+            )  # [B, k, V]
             greedy_rows = torch.tensor([p.greedy for p in params], device=device)
             q_all = torch.where(greedy_rows[:, None, None], F.one_hot(tokens, V).float(), q_all)
         logits_all = None

@@ -20,10 +20,10 @@ def lookup(tokens: Sequence[int], num_tokens: int, min_n: int, max_n: int) -> li
     longest suffix of ``tokens`` of length in [min_n, max_n]; [] if none occurs."""
     L = len(tokens)
     for n in range(min(max_n, L - 1), min_n - 1, -1):
-        suffix = list(tokens[L - n:])
+        suffix = list(tokens[L - n :])
         for start in range(L - n - 1, -1, -1):  # most recent match first
-            if list(tokens[start: start + n]) == suffix:
-                return list(tokens[start + n: start + n + num_tokens])
+            if list(tokens[start : start + n]) == suffix:
+                return list(tokens[start + n : start + n + num_tokens])
     return []
 
 
@@ -37,8 +37,9 @@ class NgramDrafter:
             raise ConfigError(f"drafter: need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}.")
         self.num_tokens, self.min_n, self.max_n = num_tokens, min_n, max_n
 
-    def propose(self, spans: Sequence[DraftSpan], kv: KVManager, run: ForwardRunner = run_directly,
-                keep_logits: bool = False) -> Drafts:
+    def propose(
+        self, spans: Sequence[DraftSpan], kv: KVManager, run: ForwardRunner = run_directly, keep_logits: bool = False
+    ) -> Drafts:
         k = self.num_tokens
         tokens = torch.zeros(len(spans), k, dtype=torch.long)
         num = torch.zeros(len(spans), dtype=torch.long)

@@ -17,8 +17,9 @@ class NoDrafter:
     def __init__(self, **_: object):
         pass
 
-    def propose(self, spans: Sequence[DraftSpan], kv: KVManager, run: ForwardRunner = run_directly,
-                keep_logits: bool = False) -> Drafts:
+    def propose(
+        self, spans: Sequence[DraftSpan], kv: KVManager, run: ForwardRunner = run_directly, keep_logits: bool = False
+    ) -> Drafts:
         return Drafts.empty(len(spans))
 
     def release(self, rid: Hashable) -> None:
