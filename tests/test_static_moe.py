@@ -110,12 +110,18 @@ def test_tied_routes_pick_the_same_experts_on_every_path():
     assert not torch.allclose(e1, e3, atol=1e-2)
 
 
-def test_paths_by_token_count():
+def test_paths_by_token_count(monkeypatch):
     few_experts, many_experts = make_moe(4, 2, 1, 1.0), make_moe(16, 3, 1, 1.0)
     assert MoE.static_max_tokens == 64
-    # every decode size (batch x verify width up to 64 tokens) is static
+    # every decode size (batch x verify width up to 64 tokens) is static with few experts
     assert {few_experts.path_for(n) for n in range(1, 65)} == {"dense"}
+    # many experts, eager: gathered while it reads few experts, then grouped (only the chosen work)
+    assert [many_experts.path_for(n) for n in (1, 2, 3, 64)] == ["gathered", "gathered", "grouped", "grouped"]
+    # ... and on CUDA or under torch.compile every decode size is static
+    assert [many_experts.path_for(n, on_cuda=True) for n in (1, 2, 3, 64)] == ["gathered", "gathered", "dense", "dense"]
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert [many_experts.path_for(n) for n in (1, 2, 3, 64)] == ["gathered", "gathered", "dense", "dense"]
+    monkeypatch.undo()
     assert few_experts.path_for(65) == many_experts.path_for(512) == "grouped"
     few_experts.static_max_tokens = 8
     assert (few_experts.path_for(8), few_experts.path_for(9)) == ("dense", "grouped")
@@ -142,8 +148,10 @@ def host_reads(monkeypatch) -> list[str]:
 
 
 @pytest.mark.parametrize("experts", [(4, 2, 1, 1.0), (16, 3, 1, 1.0)])
-def test_decode_sizes_read_nothing_on_the_host(experts, host_reads):
+def test_decode_sizes_read_nothing_on_the_host(experts, host_reads, monkeypatch):
     moe = make_moe(*experts)
+    # many experts take the static paths on CUDA and under torch.compile (eager CPU: grouped)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     with torch.no_grad():
         for shape in [(1, 1), (4, 9), (8, 8)]:
             moe(tokens(*shape))
