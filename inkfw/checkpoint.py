@@ -24,7 +24,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from inkfw.errors import CheckpointError
+from inkfw.errors import CheckpointError, InkfwError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -81,16 +81,17 @@ class Checkpoint:
         self._handles.clear()
 
 
-def _read_config(path: Path) -> dict[str, Any]:
-    cfg_path = path / "config.json"
-    if not cfg_path.is_file():
-        raise CheckpointError(f"{cfg_path}: config.json not found.")
+def read_json_object(path: str | Path, error: type[InkfwError] = CheckpointError) -> dict[str, Any]:
+    """The JSON object in ``path`` (e.g. a ``config.json``); anything else raises ``error`` in one sentence."""
+    path = Path(path)
+    if not path.is_file():
+        raise error(f"{path}: {path.name} not found.")
     try:
-        raw = json.loads(cfg_path.read_text())
+        raw = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{cfg_path}: not a readable JSON file ({exc}).") from exc
+        raise error(f"{path}: not a readable JSON file ({exc}).") from exc
     if not isinstance(raw, dict):
-        raise CheckpointError(f"{cfg_path}: expected a JSON object, got {type(raw).__name__}.")
+        raise error(f"{path}: expected a JSON object, got {type(raw).__name__}.")
     return raw
 
 
@@ -121,7 +122,7 @@ def open_checkpoint_files(path: str | Path) -> Checkpoint:
         raise CheckpointError(f"{path}: checkpoint directory not found.")
     if not path.is_dir():
         raise CheckpointError(f"{path}: a checkpoint must be a directory holding config.json and safetensors.")
-    raw = _read_config(path)
+    raw = read_json_object(path / "config.json")
     index, single = path / INDEX_FILE, path / SINGLE_FILE
     if index.is_file():
         ckpt = Checkpoint(path, raw, {}, main_file=index)

@@ -34,12 +34,12 @@ from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
-from hydra.errors import HydraException, InstantiationException
-from hydra.utils import instantiate
+from hydra.errors import HydraException
 from omegaconf import DictConfig
 
 from inkfw.checkpoint import read_tokenizer
-from inkfw.errors import ConfigError, InkfwError
+from inkfw.errors import ConfigError
+from inkfw.nodes import build_node
 from inkfw.paths import config_dir
 from inkfw.presets import build_model, plain, resolve_path
 from inkfw.speculative.engine import Engine, EngineConfig
@@ -119,19 +119,6 @@ def engine_options(cfg: Any) -> tuple[str, int | None, int | None]:
     return kind, depths, k
 
 
-def _instantiate(group: str, node: Any, **kwargs: Any) -> Any:
-    """``instantiate(node)``; our own errors pass through, Hydra's become one sentence."""
-    try:
-        return instantiate(node, **kwargs)
-    except InstantiationException as exc:
-        cause = exc.__cause__
-        if isinstance(cause, InkfwError):
-            raise cause from None
-        lines = str(cause if cause is not None else exc).splitlines()
-        detail = " ".join(ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("full_key"))
-        raise ConfigError(f"{group}: cannot build {_get(node, '_target_')!r} ({detail.rstrip('.')}).") from exc
-
-
 def engine_config(cfg: Any) -> EngineConfig:
     """The ``engine`` node instantiated (``inkfw/conf/engine``: its ``_target_`` is
     :class:`EngineConfig`) and validated; a node without ``_target_`` is taken as its fields."""
@@ -139,7 +126,7 @@ def engine_config(cfg: Any) -> EngineConfig:
     if node is None:
         ec = EngineConfig()
     elif _get(node, "_target_") is not None:
-        ec = _instantiate("engine", node)
+        ec = build_node("engine", node)
     else:
         fields = plain(node)
         try:
@@ -160,7 +147,7 @@ def _factory(cfg: Any, group: str, default: Callable) -> Callable:
     node = cfg.get(group) if hasattr(cfg, "get") else None
     if node is None:
         return default
-    return _instantiate(group, node, _partial_=True)
+    return build_node(group, node, _partial_=True)
 
 
 def _accepted(factory: Callable, runtime: dict[str, Any]) -> dict[str, Any]:

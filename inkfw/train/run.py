@@ -15,30 +15,17 @@ from typing import Any, cast
 
 import lightning as L
 import torch
-from hydra.errors import InstantiationException
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from inkfw.errors import CheckpointError, ConfigError, InkfwError
+from inkfw.errors import CheckpointError, ConfigError
 from inkfw.models.inkling.checkpoint import export_checkpoint
 from inkfw.models.inkling.model import InklingLM
+from inkfw.nodes import build_node
 from inkfw.presets import parse_dtype, resolve_path
 from inkfw.train.module import InklingTrainModule
 from inkfw.train.tasks import TrainTask
 
 TRAIN_CONFIG_KEY = "hyper_parameters"  # where Lightning keeps save_hyperparameters() in a .ckpt
-
-
-def build_node(group: str, node: Any, **runtime: Any) -> Any:
-    """``instantiate(node, **runtime)``; a failure is one :class:`ConfigError` naming the group."""
-    try:
-        return instantiate(node, **runtime)
-    except InstantiationException as exc:
-        cause = exc.__cause__
-        if isinstance(cause, InkfwError):
-            raise cause from None
-        target = node.get("_target_") if hasattr(node, "get") else None
-        raise ConfigError(f"{group}: cannot build {target!r} ({str(exc).splitlines()[-1].strip()}).") from exc
 
 
 def build_task_model(cfg: Any) -> tuple[TrainTask, InklingLM, Path | None]:

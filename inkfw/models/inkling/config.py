@@ -13,11 +13,11 @@ It is read from any of the three ``config.json`` dialects users have:
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from inkfw.checkpoint import read_json_object
 from inkfw.errors import ConfigError
 
 MODEL_TYPES = ("inkling_mm_model", "inkling_model", "inkling_text")
@@ -63,8 +63,8 @@ class InklingConfig:
     d_rel: int = 16
     log_scaling_n_floor: int | None = None
     log_scaling_alpha: float = 0.1
-    # MLPs: the first dense_mlp_idx layers are dense, the rest MoE
-    dense_mlp_idx: int = 2
+    # MLPs: the first dense_mlp_idx layers are dense, the rest MoE (release and HF 5.23 default: 0, all MoE)
+    dense_mlp_idx: int = 0
     intermediate_size: int = 24576  # dense SwiGLU width (also the MTP blocks' MLP)
     moe_intermediate_size: int = 3072
     n_routed_experts: int = 256
@@ -294,16 +294,7 @@ class InklingConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> InklingConfig:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"{path}: config.json not found.")
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"{path}: not a readable JSON file ({exc}).") from exc
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: expected a JSON object.")
-        return cls.from_dict(raw, source=str(path))
+        return cls.from_dict(read_json_object(path, error=ConfigError), source=str(path))
 
     def to_text_dict(self) -> dict[str, Any]:
         """The text fields as Hugging Face's ``inkling_text`` config names them."""
