@@ -69,14 +69,14 @@ def run_infer(cfg: Any) -> dict[str, Any]:
     if not items:
         items = demo_prompts(engine, tokenizer, seed)
 
-    base = getattr(engine.sampler, "defaults", None)
-    base_seed = base.seed if base is not None and base.seed is not None else seed
+    base = engine.sampler.defaults
+    base_seed = base.seed if base.seed is not None else seed
     requests: dict[int, Request] = {}
     for item in items:
         if item.error is None:
             try:
                 ids = prompt_token_ids(item, tokenizer)
-                params = replace(base, seed=base_seed + item.index - 1) if base is not None else None
+                params = replace(base, seed=base_seed + item.index - 1)
                 requests[item.index] = engine.add_request(
                     ids, params, max_new_tokens=item.max_new_tokens or max_new, stop=stop
                 )

@@ -268,8 +268,7 @@ class LLM:
 
     @property
     def default_sampling(self) -> SamplingParams:
-        defaults = getattr(self.engine.sampler, "defaults", None)
-        return defaults if isinstance(defaults, SamplingParams) else SamplingParams()
+        return self.engine.sampler.defaults
 
     @property
     def default_max_tokens(self) -> int:

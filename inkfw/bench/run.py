@@ -48,7 +48,6 @@ from omegaconf import OmegaConf, open_dict
 from rich.console import Console
 
 from inkfw.bench.timing import CacheTimer, CaseTiming, PhaseForwardTimer, ProfilerPause, profile_text
-from inkfw.cache.paged import PagedKVManager
 from inkfw.errors import ConfigError
 from inkfw.paths import config_dir
 from inkfw.presets import build_model, plain
@@ -144,19 +143,13 @@ def _build_case(cfg: Any, model, drafter: str, batch_size: int, max_model_len: i
     return Case(engine, forwards, timing, profiler)
 
 
-def _kv_bytes(kv: Any) -> int:
-    """Bytes of the KV manager's pools (every group, target and draft; 0 for a manager that
-    is not paged)."""
-    return kv.nbytes if isinstance(kv, PagedKVManager) else 0
-
-
 def _prompts(gen: torch.Generator, batch: int, length: int, vocab: int) -> list[list[int]]:
     return torch.randint(3, vocab, (batch, length), generator=gen).tolist()
 
 
 def _generate(case: Case, prompts: list[list[int]], max_new_tokens: int) -> tuple[float, list[list[int]]]:
     eng = case.engine
-    params = getattr(eng.sampler, "defaults", None)  # inkfw/conf/sampler: greedy unless told otherwise
+    params = eng.sampler.defaults  # inkfw/conf/sampler: greedy unless told otherwise
     reqs = [eng.add_request(p, params, max_new_tokens=max_new_tokens) for p in prompts]
     t0 = time.perf_counter()
     eng.generate(reqs)
@@ -245,7 +238,7 @@ def run_bench(cfg: Any) -> dict[str, Any]:
             mismatches[b] += sum(x != y for x, y in zip(first, outs))
             console.print(f"  repeat {rep + 1}/{cfg.repeats} {case.name}: {wall:.2f}s, overhead {ratio:.3f}")
 
-    results = [c.timing.result(_kv_bytes(c.engine.kv)) for c in cases]
+    results = [c.timing.result(c.engine.kv.nbytes) for c in cases]
     for r in results:
         r["greedy_output_mismatches"] = mismatches[r["batch_size"]]
     console.print(bench_table(results, bool(cfg.profile)))

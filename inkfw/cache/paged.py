@@ -333,6 +333,13 @@ class PagedKVManager:
         """True when no request holds a block (all blocks free, cached or not)."""
         return all(g.pool.num_free == g.pool.num_blocks for g in self.groups) and not self._tables
 
+    def usage(self) -> float:
+        """Fraction (0..1) of the first target full-attention group's blocks that requests hold;
+        blocks kept only for prefix caching count as free."""
+        full = [g for g in self.groups if g.window is None and not g.draft] or self.groups
+        pool = full[0].pool
+        return 1.0 - pool.num_free / pool.num_blocks if pool.num_blocks else 0.0
+
     def held_blocks(self, rid: Hashable) -> list[int]:
         """Blocks request ``rid`` holds, per group."""
         return [sum(b >= 0 for b in t) for t in self._tables.get(rid, [[] for _ in self.groups])]

@@ -81,17 +81,6 @@ E2E_BUCKETS = (
 )
 
 
-def kv_cache_usage(kv: Any) -> float:
-    """Fraction (0..1) of the target's full-attention KV blocks that requests hold; blocks kept
-    only for prefix caching count as free. 0.0 for a KV manager without block pools."""
-    groups = list(getattr(kv, "groups", None) or [])
-    full = [g for g in groups if getattr(g, "window", None) is None and not getattr(g, "draft", False)] or groups
-    if not full or not hasattr(full[0], "pool"):
-        return 0.0
-    pool = full[0].pool
-    return 1.0 - pool.num_free / pool.num_blocks if pool.num_blocks else 0.0
-
-
 class ServerMetrics:
     """The server's Prometheus collectors, in their own registry (several servers may run in
     one process, e.g. in tests)."""
@@ -182,7 +171,7 @@ class ServerMetrics:
         call (from ``engine.metrics``)."""
         self._label(self.num_requests_running).set(len(engine.running))
         self._label(self.num_requests_waiting).set(len(engine.waiting) + num_queued)
-        self._label(self.kv_cache_usage_perc).set(kv_cache_usage(engine.kv))
+        self._label(self.kv_cache_usage_perc).set(engine.kv.usage())
         m = engine.metrics
         seen = self._spec_seen
         for name, counter in (

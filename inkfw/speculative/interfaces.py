@@ -155,11 +155,16 @@ class KVManager(Protocol):
     ) -> LayerCache: ...
     def invalidate_draft(self, rid: Hashable, start: int, end: int) -> None: ...
     def is_whole(self) -> bool: ...
+    def usage(self) -> float: ...  # fraction (0..1) of the target's full-attention blocks requests hold
+    @property
+    def nbytes(self) -> int: ...  # every byte of cache it allocated
 
 
 class TokenSampler(Protocol):
     """Greedy / temperature / top-k / top-p with per-request seeded generators: every processed
     distribution and every random number of the verifier and the drafters comes from here."""
+
+    defaults: SamplingParams  # for requests that bring no SamplingParams of their own (inkfw/conf/sampler)
 
     def generator(self, params: SamplingParams) -> torch.Generator: ...
 
