@@ -1,8 +1,11 @@
 """Text data for training: documents, a deterministic split, tokenisation and packing.
 
-Sources: text files, folders (recursively), ``.jsonl`` files with one ``{"text": ...}`` per line,
-and ``stdlib``: the Python standard library's own source files (tests excluded), a corpus that
-exists on every machine without a download.
+Sources: text files, folders (recursively), ``.jsonl`` files with one ``{"text": ...}`` or
+``{"prompt_token_ids": [...], "token_ids": [...]}`` (token ids, as ``scripts/generate_data.py``
+writes them: used as they are, no tokenizer) per line, and ``stdlib``: the Python standard
+library's own source files (tests excluded), a corpus that exists on every machine without a
+download. :class:`HFDataModule` (``data=hf``) reads local jsonl / parquet / arrow files with a
+``text`` or ``messages`` column through the ``datasets`` library instead.
 
 Packing concatenates documents (each followed by EOS) into rows of ``seq_len`` tokens and
 records every token's document index, so losses can refuse targets that cross a boundary.
@@ -12,10 +15,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sysconfig
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
@@ -31,7 +36,12 @@ STDLIB = "stdlib"
 @dataclass(frozen=True)
 class Document:
     name: str  # stable identifier (path, path:line): decides the split
-    text: str
+    text: str = ""
+    token_ids: tuple[int, ...] | None = None  # already tokenised (target-generated data): used as is
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.token_ids if self.token_ids is not None else not self.text.strip()
 
 
 def stdlib_files() -> list[Path]:
@@ -56,6 +66,10 @@ def _read_text(path: Path) -> str:
         raise ConfigError(f"data: cannot read {path}: {exc.strerror or exc}.") from exc
 
 
+def _is_id_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+
+
 def _jsonl_documents(path: Path) -> Iterable[Document]:
     for i, line in enumerate(_read_text(path).splitlines(), start=1):
         if not line.strip():
@@ -64,8 +78,19 @@ def _jsonl_documents(path: Path) -> Iterable[Document]:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise ConfigError(f"data: {path} line {i} is not valid JSON ({exc.msg}).") from exc
+        if isinstance(row, dict) and "token_ids" in row:  # scripts/generate_data.py: prompt + completion
+            prompt, completion = row.get("prompt_token_ids", []), row["token_ids"]
+            if not _is_id_list(prompt) or not _is_id_list(completion):
+                raise ConfigError(
+                    f'data: {path} line {i}: "prompt_token_ids" and "token_ids" must be lists of token ids >= 0.'
+                )
+            yield Document(f"{path}:{i}", token_ids=tuple(prompt + completion))
+            continue
         if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-            raise ConfigError(f'data: {path} line {i} must be an object with a string field "text".')
+            raise ConfigError(
+                f'data: {path} line {i} must be an object with a string field "text" '
+                f'or a list of token ids "token_ids".'
+            )
         yield Document(f"{path}:{i}", row["text"])
 
 
@@ -91,9 +116,87 @@ def read_documents(sources: Sequence[str]) -> list[Document]:
                 docs.extend(_jsonl_documents(f))
             else:
                 docs.append(Document(str(f), _read_text(f)))
-    docs = [d for d in docs if d.text.strip()]
+    docs = [d for d in docs if not d.is_empty]
     if not docs:
         raise ConfigError(f"data: the sources {list(sources)} hold no non-empty documents.")
+    return docs
+
+
+# ----------------------------------------------------------------------------- Hugging Face datasets
+# file suffix -> the datasets library's builder for it
+HF_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+
+
+def hf_files(path: str | Path) -> list[tuple[str, Path]]:
+    """(name, file) for ``path``: one jsonl / json / parquet / arrow file, or every jsonl /
+    parquet / arrow file under a folder, sorted (a folder's ``.json`` files are metadata, as in
+    what ``Dataset.save_to_disk`` writes). The name (the file's name, or its path inside the
+    folder) names its documents, so the split does not depend on where the data lies."""
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise ConfigError(f"data.path {path} does not exist.")
+    if root.is_file():
+        if root.suffix not in HF_BUILDERS:
+            raise ConfigError(f"data.path {path} is not a {' / '.join(sorted(HF_BUILDERS))} file.")
+        return [(root.name, root)]
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in HF_BUILDERS and p.suffix != ".json")
+    if not files:
+        raise ConfigError(f"data.path {path} holds no .jsonl / .parquet / .arrow files.")
+    return [(f.relative_to(root).as_posix(), f) for f in files]
+
+
+def _load_hf_file(file: Path):
+    """One local file as a ``datasets.Dataset``, never touching the network."""
+    os.environ["HF_DATASETS_OFFLINE"] = "1"  # read by datasets at import
+    import datasets
+    import datasets.config
+
+    datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True  # imported earlier: set it here
+    try:
+        return datasets.load_dataset(HF_BUILDERS[file.suffix], data_files=str(file), split="train")
+    except Exception as exc:  # datasets and pyarrow raise many kinds on a bad file
+        detail = str(exc).strip().splitlines()[0].rstrip(".") if str(exc).strip() else ""
+        raise ConfigError(
+            f"data: datasets cannot read {file} ({type(exc).__name__}{': ' + detail if detail else ''})."
+        ) from exc
+
+
+def messages_text(messages: Any, where: str) -> str:
+    """A chat (list of ``{"role", "content"}``) as text in the server's plain template
+    (:func:`inkfw.server.chat.plain_chat_prompt`: each message as ``"<role>: <content>\\n\\n"``),
+    without the ``"assistant:"`` it adds to ask for a reply."""
+    from inkfw.server.chat import PLAIN_ASSISTANT_PREFIX, plain_chat_prompt
+
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+    ):
+        raise ConfigError(f'data: {where}: "messages" must be a list of {{"role": str, "content": str}} objects.')
+    return plain_chat_prompt(messages).removesuffix(PLAIN_ASSISTANT_PREFIX)
+
+
+def read_hf_documents(path: str | Path) -> list[Document]:
+    """Documents of local jsonl / parquet / arrow files (:func:`hf_files`) with a ``text`` column
+    (a string per row) or else a ``messages`` column (a chat per row, as plain-template text);
+    document names are ``<file name>:<row index>``."""
+    docs: list[Document] = []
+    for name, file in hf_files(path):
+        table = _load_hf_file(file)
+        columns = list(table.column_names)
+        column = "text" if "text" in columns else "messages" if "messages" in columns else None
+        if column is None:
+            raise ConfigError(f'data: {file} has neither a "text" nor a "messages" column (columns: {columns}).')
+        for row, value in enumerate(table[column]):
+            where = f"{file} row {row}"
+            if column == "messages":
+                text = messages_text(value, where)
+            elif value is None or isinstance(value, str):
+                text = value or ""
+            else:
+                raise ConfigError(f'data: {where}: "text" must be a string, got {type(value).__name__}.')
+            docs.append(Document(f"{name}:{row}", text))
+    docs = [d for d in docs if not d.is_empty]
+    if not docs:
+        raise ConfigError(f"data: {path} holds no non-empty documents.")
     return docs
 
 
@@ -147,7 +250,13 @@ def load_tokenizer(path: str | Path):
 
 
 def tokenize(tokenizer, docs: Sequence[Document]) -> list[list[int]]:
-    return [e.ids for e in tokenizer.encode_batch([d.text for d in docs], add_special_tokens=False)]
+    """Token ids of every document: its ``token_ids`` when it has them, else its text encoded
+    (``tokenizer`` may be None when every document has ids)."""
+    texts = [d.text for d in docs if d.token_ids is None]
+    if texts and tokenizer is None:
+        raise ConfigError("data.tokenizer is not set; train one with scripts/train_tokenizer.py.")
+    encoded = iter(e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)) if texts else iter(())
+    return [list(d.token_ids) if d.token_ids is not None else next(encoded) for d in docs]
 
 
 class ResumableLoader:
@@ -221,10 +330,23 @@ class TextDataModule(L.LightningDataModule):
         self.train_set = self.val_set = None
         self.val_documents: list[Document] = []
 
-    def setup(self, stage: str | None = None) -> None:
-        if self.train_set is not None:
-            return
+    def documents(self) -> list[Document]:
+        """Every document of the source, in a deterministic order (subclasses read other sources)."""
+        return read_documents(self.sources)
+
+    def split(self) -> tuple[list[Document], list[Document]]:
+        """(train, validation) documents: :meth:`documents`, at most ``max_documents``, split by name."""
+        docs = self.documents()
+        if self.max_documents:
+            docs = docs[: self.max_documents]
+        return split_documents(docs, self.val_fraction, self.seed)
+
+    def tokenizer_for(self, docs: Sequence[Document] = ()):
+        """The ``tokenizers.Tokenizer`` at ``tokenizer`` (checked against the model's vocabulary),
+        or None when it is not set and every one of ``docs`` is already tokenised."""
         if self.tokenizer_path is None:
+            if all(d.token_ids is not None for d in docs):
+                return None
             raise ConfigError("data.tokenizer is not set; train one with scripts/train_tokenizer.py.")
         tokenizer = load_tokenizer(self.tokenizer_path)
         if self.vocab_size is not None and tokenizer.get_vocab_size() > self.vocab_size:
@@ -232,14 +354,33 @@ class TextDataModule(L.LightningDataModule):
                 f"data: the tokenizer has {tokenizer.get_vocab_size()} tokens but the model's "
                 f"vocabulary holds {self.vocab_size}; use the checkpoint's tokenizer.json."
             )
-        docs = read_documents(self.sources)
-        if self.max_documents:
-            docs = docs[: self.max_documents]
-        train, val = split_documents(docs, self.val_fraction, self.seed)
+        return tokenizer
+
+    def _token_lists(self, tokenizer, docs: Sequence[Document]) -> list[list[int]]:
+        """Token ids per document; a pre-tokenised document loses a trailing EOS (packing adds one)
+        and must fit the model's vocabulary."""
+        lists = tokenize(tokenizer, docs)
+        for d, ids in zip(docs, lists, strict=True):
+            if d.token_ids is None:
+                continue
+            if ids and ids[-1] == self.eos_id:
+                ids.pop()
+            if self.vocab_size is not None and ids and max(ids) >= self.vocab_size:
+                raise ConfigError(
+                    f"data: {d.name} holds token id {max(ids)} but the model's vocabulary holds "
+                    f"{self.vocab_size}; generate the data with this model."
+                )
+        return lists
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        train, val = self.split()
+        tokenizer = self.tokenizer_for([*train, *val])
         self.val_documents = val
         sets = []
         for part in (train, val):
-            ids, doc = pack(tokenize(tokenizer, part), self.seq_len, self.eos_id)
+            ids, doc = pack(self._token_lists(tokenizer, part), self.seq_len, self.eos_id)
             sets.append(TensorDataset(ids, doc))
         self.train_set, self.val_set = sets
         if len(self.train_set) < 1:
@@ -260,6 +401,19 @@ class TextDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self._split("val"), batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
+
+
+class HFDataModule(TextDataModule):
+    """``data=hf``: :class:`TextDataModule` over local jsonl / parquet / arrow files with a
+    ``text`` or ``messages`` column, read through the ``datasets`` library without the network
+    (:func:`read_hf_documents`). ``path``: one file or a folder of them."""
+
+    def __init__(self, path: str | Path, **kwargs: Any):
+        super().__init__(sources=[], **kwargs)
+        self.path = path
+
+    def documents(self) -> list[Document]:
+        return read_hf_documents(self.path)
 
 
 def heldout_prompts(
