@@ -48,13 +48,17 @@ def test_every_training_option_composes(group, option, tmp_path):
     overrides = [f"{group}={option}", f"output_dir={tmp_path}"]
     if group == "data" and option == "files":
         overrides.append(f"data.sources=[{tmp_path}]")
+    if group == "data" and option in ("hf", "hidden"):
+        overrides.append(f"data.path={tmp_path}")
     cfg = compose_cfg("train", overrides)
     OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # every value resolves
     task = instantiate(cfg.task)
     assert isinstance(task, TrainTask) and type(task) is get_class(cfg.task._target_)
     assert task.objective == cfg.loss.objective and task.beta == cfg.loss.beta
     data = instantiate(cfg.data, tokenizer=tmp_path / "tokenizer.json")
-    assert type(data) is get_class(cfg.data._target_) and data.seq_len == cfg.data.seq_len
+    assert type(data) is get_class(cfg.data._target_) and data.batch_size == cfg.data.batch_size
+    if "seq_len" in cfg.data:  # stored hidden states come in the dump's row length
+        assert data.seq_len == cfg.data.seq_len
     optimizer = instantiate(cfg.optim)([torch.nn.Parameter(torch.zeros(1))])
     assert type(optimizer) is get_class(cfg.optim._target_)
     assert optimizer.defaults["lr"] == cfg.optim.lr and tuple(optimizer.defaults["betas"]) == tuple(cfg.optim.betas)

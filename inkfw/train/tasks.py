@@ -6,7 +6,9 @@ LightningModule (:mod:`inkfw.train.module`) delegates all three to it.
 * :class:`MtpTask` (``task=mtp``): MTP depths on a frozen checkpoint. The backbone, the
   embedding and the unembedding are frozen (and run without autograd); depths
   ``[train_from, num_depths)`` train, earlier depths stay frozen. Depths beyond those the
-  checkpoint ships start from the deepest shipped depth of the same attention kind.
+  checkpoint ships start from the deepest shipped depth of the same attention kind. With
+  ``data=hidden`` (:mod:`inkfw.train.hidden`) batches carry the backbone's stored final hidden
+  states, and the backbone's layers do not run (the embedding and the unembedding still do).
 * :class:`PretrainTask` (``task=pretrain``): a random-init preset trains from scratch; the
   loss is next-token CE plus ``mtp_weight`` times the depth loss (which does not flow into
   the backbone).
@@ -21,7 +23,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +37,8 @@ from inkfw.train.losses import depth_weights, mtp_losses, target_mask
 
 OBJECTIVES = ("ce", "kl")
 
-Batch = tuple[torch.Tensor, torch.Tensor]  # (input_ids [B, T], doc_ids [B, T])
+# (input_ids [B, T], doc_ids [B, T]), and from data=hidden also the stored final hidden states [B, T, H]
+Batch = tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 Logs = dict[str, float | torch.Tensor]
 
 
@@ -48,6 +51,8 @@ class TrainTask(ABC):
     beta: float = 0.7  # depth weights beta^d, normalised
     weights: Sequence[float] | None = None  # explicit per-depth weights instead
     _depth_w: torch.Tensor | None = field(default=None, init=False, repr=False)  # [D], set by prepare
+    # whether batches may carry the backbone's stored hidden states instead (data=hidden)
+    reads_stored_hidden: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -86,7 +91,7 @@ class TrainTask(ABC):
         """The weighted loss of depths ``[train_from, D)``; per-depth metrics go into ``logs``."""
         if self._depth_w is None:
             raise RuntimeError("prepare(model) must run before the loss.")
-        ids, doc = batch
+        ids, doc = batch[0], batch[1]
         if self._depth_w.device != hidden.device:
             self._depth_w = self._depth_w.to(hidden.device)
         stats = mtp_losses(
@@ -149,6 +154,7 @@ class MtpTask(TrainTask):
     """``task=mtp``: depths ``[train_from, D)`` on a frozen checkpoint (see the module docstring)."""
 
     name: str = "mtp"
+    reads_stored_hidden: ClassVar[bool] = True
     # first depth to train; None: the first new depth when :meth:`build_model` adds depths,
     # else 0 (every depth). build_model replaces None with the depth it chose.
     train_from: int | None = None
@@ -183,8 +189,11 @@ class MtpTask(TrainTask):
         freeze_for_mtp(model, train_from)
 
     def loss(self, model: InklingLM, batch: Batch) -> tuple[torch.Tensor, Logs]:
-        with torch.no_grad():
-            hidden = model(batch[0])  # [B, T, H], frozen backbone
+        if len(batch) > 2:  # data=hidden: the frozen backbone's output, stored by scripts/dump_hidden.py
+            hidden = batch[2].to(model.unembed.weight.dtype)  # [B, T, H]
+        else:
+            with torch.no_grad():
+                hidden = model(batch[0])  # [B, T, H], frozen backbone
         logs: Logs = {}
         loss = self.depth_loss(model, batch, hidden, int(self.train_from or 0), None, logs)
         return loss, logs
@@ -207,7 +216,11 @@ class PretrainTask(TrainTask):
         self._set_depth_weights(model)
 
     def loss(self, model: InklingLM, batch: Batch) -> tuple[torch.Tensor, Logs]:
-        ids, doc = batch  # [B, T], [B, T]
+        if len(batch) > 2:
+            raise ConfigError(
+                "task=pretrain trains the backbone, so it cannot train from stored hidden states (data=hidden)."
+            )
+        ids, doc = batch[0], batch[1]  # [B, T], [B, T]
         hidden = model(ids)  # [B, T, H]
         mask = target_mask(doc, 1)[:, :-1]  # [B, T-1]
         logits = model.logits(hidden).float()  # [B, T, V], also the depths' teacher below
