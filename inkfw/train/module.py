@@ -24,6 +24,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from inkfw.errors import ConfigError
 from inkfw.models.inkling.model import InklingLM
+from inkfw.train.strategies import checkpoint_trainable_depths, gathered_parameters
 from inkfw.train.tasks import Batch, Logs, TrainTask
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], Optimizer]  # inkfw/conf/optim: _partial_ node
@@ -40,10 +41,12 @@ class InklingTrainModule(L.LightningModule):
         eval_prompts: list[list[int]] | None = None,
         eval_max_new_tokens: int = 32,
         train_config: dict[str, Any] | None = None,
+        activation_checkpointing: bool = False,
     ):
         """``optimizer`` None: ``torch.optim.AdamW`` with torch's defaults; ``scheduler`` None: a
         constant learning rate. ``eval_prompts``: token ids of held-out prompts for the engine's
-        acceptance after each validation (none: off)."""
+        acceptance after each validation (none: off). ``activation_checkpointing``: recompute the
+        trainable depths' activations in the backward pass (less memory, one more depth forward)."""
         super().__init__()
         if train_config is not None:
             self.save_hyperparameters(train_config)  # into every checkpoint (and the logger)
@@ -52,6 +55,8 @@ class InklingTrainModule(L.LightningModule):
         self.scheduler_factory = scheduler
         self.eval_prompts, self.eval_max_new_tokens = eval_prompts or [], eval_max_new_tokens
         task.prepare(model)
+        if activation_checkpointing:
+            checkpoint_trainable_depths(model)
         self._t0: float | None = None
 
     def compute(self, batch: Batch) -> tuple[torch.Tensor, Logs]:
@@ -107,7 +112,8 @@ class InklingTrainModule(L.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         if self.eval_prompts and self.model.num_mtp_depths and not self.trainer.sanity_checking:
-            tau = self.engine_acceptance_length() if self.trainer.is_global_zero else 0.0
+            with gathered_parameters(self.trainer.strategy.model):  # sharded depths: whole on every rank (FSDP)
+                tau = self.engine_acceptance_length() if self.trainer.is_global_zero else 0.0
             self.log("val/engine_acceptance_length", tau, rank_zero_only=True)
 
     def configure_optimizers(self):

@@ -55,9 +55,10 @@ def run_train(cfg: Any) -> dict[str, Any]:
     )
     data.setup("fit")  # bad data fails here, in one line, before the trainer starts
     eval_cfg = cfg.get("eval") or {}
+    # the first rows only (data=hidden reads rows from disk; its rows also carry hidden states)
     eval_prompts = [
-        ids[: int(eval_cfg.get("prompt_tokens", 64))].tolist()
-        for ids, _ in list(data.val_set)[: int(eval_cfg.get("num_prompts", 0))]
+        data.val_set[i][0][: int(eval_cfg.get("prompt_tokens", 64))].tolist()
+        for i in range(min(int(eval_cfg.get("num_prompts", 0)), len(data.val_set)))
     ]
     module = InklingTrainModule(
         model,
@@ -67,6 +68,7 @@ def run_train(cfg: Any) -> dict[str, Any]:
         eval_prompts=eval_prompts,
         eval_max_new_tokens=int(eval_cfg.get("max_new_tokens", 32)),
         train_config=train_config,
+        activation_checkpointing=bool(cfg.get("activation_checkpointing", False)),
     )
     logger = build_node("logger", cfg.logger) if cfg.get("logger") else False
     callbacks = [
