@@ -301,7 +301,33 @@ class ResumableLoader:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
-class TextDataModule(L.LightningDataModule):
+class SplitDataModule(L.LightningDataModule):
+    """What every training data node shares: ``train_set`` / ``val_set`` made by :meth:`setup`,
+    served by a :class:`ResumableLoader` (seeded order, split over ranks, exact resume) and a
+    plain validation loader. Subclasses set ``batch_size``, ``seed`` and ``num_workers``."""
+
+    batch_size: int
+    seed: int
+    num_workers: int
+    train_set: TensorDataset | None = None
+    val_set: TensorDataset | None = None
+
+    def _split(self, name: str) -> TensorDataset:
+        split = self.train_set if name == "train" else self.val_set
+        if split is None:
+            raise RuntimeError("setup() must run before the data loaders are asked for.")
+        return split
+
+    def train_dataloader(self) -> ResumableLoader:
+        trainer = getattr(self, "trainer", None)
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        return ResumableLoader(self._split("train"), self.batch_size, self.seed, rank=rank, world_size=world)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self._split("val"), batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
+
+
+class TextDataModule(SplitDataModule):
     """Packed rows ``(input_ids [T], doc_ids [T])`` of a deterministic train/validation split.
 
     The ``inkfw/conf/data`` nodes target this class; ``scripts/train.py`` adds what the model decides
@@ -383,24 +409,10 @@ class TextDataModule(L.LightningDataModule):
             ids, doc = pack(self._token_lists(tokenizer, part), self.seq_len, self.eos_id)
             sets.append(TensorDataset(ids, doc))
         self.train_set, self.val_set = sets
-        if len(self.train_set) < 1:
+        if len(sets[0]) < 1:
             raise ConfigError(
                 f"data: the training split holds fewer than {self.seq_len} tokens; add data or lower data.seq_len."
             )
-
-    def _split(self, name: str) -> TensorDataset:
-        split = self.train_set if name == "train" else self.val_set
-        if split is None:
-            raise RuntimeError("setup() must run before the data loaders are asked for.")
-        return split
-
-    def train_dataloader(self) -> ResumableLoader:
-        trainer = getattr(self, "trainer", None)
-        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
-        return ResumableLoader(self._split("train"), self.batch_size, self.seed, rank=rank, world_size=world)
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self._split("val"), batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
 
 
 class HFDataModule(TextDataModule):

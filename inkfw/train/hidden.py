@@ -44,12 +44,11 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any, cast
 
-import lightning as L
 import torch
 from omegaconf import OmegaConf
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 from inkfw.errors import ConfigError
 from inkfw.models.inkling.checkpoint import load_model
@@ -57,7 +56,7 @@ from inkfw.models.inkling.config import InklingConfig
 from inkfw.models.inkling.model import InklingLM
 from inkfw.nodes import build_node
 from inkfw.presets import build_model, model_config, parse_dtype, plain, resolve_device, resolve_path
-from inkfw.train.data import ResumableLoader
+from inkfw.train.data import SplitDataModule
 
 FORMAT = "inkfw-hidden-states"
 FORMAT_VERSION = 1
@@ -614,7 +613,7 @@ def _check_task(task: Any) -> None:
         )
 
 
-class HiddenDataModule(L.LightningDataModule):
+class HiddenDataModule(SplitDataModule):
     """``data=hidden``: the rows and stored hidden states of a dump (``path``), as batches
     ``(input_ids [B, T], doc_ids [B, T], hidden [B, T, H])``.
 
@@ -660,17 +659,3 @@ class HiddenDataModule(L.LightningDataModule):
         self.manifest, self.train_set, self.val_set = manifest, rows("train"), rows("val")
         if len(self.train_set) < 1:
             raise ConfigError(f"data.path={self.path}: the dump's training split holds no rows.")
-
-    def _split(self, name: str) -> HiddenRows:
-        split = self.train_set if name == "train" else self.val_set
-        if split is None:
-            raise RuntimeError("setup() must run before the data loaders are asked for.")
-        return split
-
-    def train_dataloader(self) -> ResumableLoader:
-        trainer = getattr(self, "trainer", None)
-        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
-        return ResumableLoader(self._split("train"), self.batch_size, self.seed, rank=rank, world_size=world)
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self._split("val"), batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
