@@ -6,13 +6,18 @@ arithmetic. :func:`count_aten_ops` counts the *top-level* aten operators a call 
 ``aten::linear`` counts once, not with the ``aten::t`` and ``aten::addmm`` it runs inside).
 :func:`one_token_forwards` builds the 1-token forwards the engine and the tests run (uncached,
 dense cache, paged cache) so that ``scripts/count_ops.py`` and the benchmark measure the same thing.
+:func:`count_host_reads` counts calls that move tensor data to the host (``item``, ``tolist``,
+``bool()``, ...), for the engine's budget of one device->host read per decode step.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -57,6 +62,78 @@ def wall_time(fn: Callable[[], Any], repeats: int = 50, warmup: int = 5) -> floa
             times.append(time.perf_counter() - start)
     times.sort()
     return times[len(times) // 2]
+
+
+HOST_READ_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "to")
+
+
+@dataclass(eq=False)
+class HostReads:
+    """Host reads counted by :func:`count_host_reads`: ``count`` in all, ``by_kind`` per method name."""
+
+    count: int = 0
+    by_kind: Counter[str] = field(default_factory=Counter)
+
+
+_active: list[HostReads] = []  # counters of the open count_host_reads() blocks, outermost first
+_in_read = False  # inside a counted call: reads it makes itself (numpy() in __array__) do not count again
+
+
+def _to_reads_host(tensor: torch.Tensor, args: tuple, kwargs: dict) -> bool:
+    """Whether ``tensor.to(*args, **kwargs)`` copies from a non-CPU device to the CPU."""
+    target = kwargs.get("device")
+    if target is None and args:
+        target = args[0].device if isinstance(args[0], torch.Tensor) else args[0]
+    if not isinstance(target, str | torch.device | int) or isinstance(target, bool):
+        return False  # a dtype, or no device at all
+    return torch.device(target).type == "cpu" and tensor.device.type != "cpu"
+
+
+def _counting(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def method(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        global _in_read
+        if _in_read or (name == "to" and not _to_reads_host(self, args, kwargs)):
+            return original(self, *args, **kwargs)
+        for reads in _active:
+            reads.count += 1
+            reads.by_kind[name] += 1
+        _in_read = True
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _in_read = False
+
+    return method
+
+
+@contextlib.contextmanager
+def count_host_reads() -> Iterator[HostReads]:
+    """Count calls that bring tensor data to the host while the block runs.
+
+    Patches ``torch.Tensor`` methods ``item``, ``tolist``, ``__bool__``, ``__int__``, ``__float__``,
+    ``__index__``, ``cpu`` and ``numpy`` (every call counts, also on a CPU-only machine, where no
+    copy happens: conservative) and ``to`` (only a copy from a non-CPU device to the CPU counts:
+    moving host-built tensors to the device is no read). A call that reads through another
+    patched method counts once. Blocks nest: each counts the reads made while it is open; the
+    patches are removed when the outermost block exits, also on an exception. Not thread-safe.
+    """
+    reads = HostReads()
+    saved = {}
+    if not _active:
+        for name in HOST_READ_METHODS:
+            saved[name] = torch.Tensor.__dict__.get(name)
+            setattr(torch.Tensor, name, _counting(name, getattr(torch.Tensor, name)))
+    _active.append(reads)
+    try:
+        yield reads
+    finally:
+        _active.remove(reads)
+        for name, original in saved.items():  # only the outermost block saved anything
+            if original is None:
+                delattr(torch.Tensor, name)  # the method is inherited from torch._C.TensorBase
+            else:
+                setattr(torch.Tensor, name, original)
 
 
 def one_token_forwards(model, context: int = 32, seed: int = 0) -> dict[str, Callable[[], Any]]:

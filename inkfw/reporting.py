@@ -7,9 +7,10 @@ Two halves, kept apart (docs/design.md §6 defines the metrics):
   :class:`~inkfw.speculative.metrics.SpecMetrics` and
   :class:`~inkfw.speculative.engine.StepTimes`, with throughput). The benchmark's per
   configuration results are collected by :mod:`inkfw.bench.timing`.
-* **renderings** of those dicts: rich tables (:func:`infer_table`, :func:`bench_table`), the
-  per-request listing (:func:`print_requests`), Markdown (:func:`bench_markdown`), PNG plots
-  (:func:`bench_plot`) and atomic JSON / text files (:func:`write_json_atomic`).
+* **renderings** of those dicts: rich tables (:func:`infer_table`, :func:`bench_table`,
+  :func:`overhead_table`), the per-request listing (:func:`print_requests`), Markdown
+  (:func:`bench_markdown`), PNG plots (:func:`bench_plot`, :func:`bench_acceptance_plot`,
+  :func:`overhead_plot`) and atomic JSON / text files (:func:`write_json_atomic`).
 
 Used by ``scripts/infer.py`` (:mod:`inkfw.infer`) and ``scripts/bench.py`` (:mod:`inkfw.bench`).
 """
@@ -185,11 +186,215 @@ def _has_cache_time(results: Sequence[dict[str, Any]]) -> bool:
     return any(r["overhead_ratio_model_only"] is not None for r in results)
 
 
-def bench_markdown(results: Sequence[dict[str, Any]]) -> str:
-    """The benchmark's results (:func:`inkfw.bench.timing.CaseTiming.result`) as a Markdown table."""
+def _run_label(r: dict[str, Any]) -> str:
+    return f"{r['prompt_set']} {r['name']}"
+
+
+def _times(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def _plain_number(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+# ---------------------------------------------------------------- benchmark: speed
+BENCH_COLUMNS = (
+    "prompt set",
+    "run",
+    "tokens/s",
+    "vs HF",
+    "vs HF mtp",
+    "vs plain",
+    "tau",
+    "predicted",
+    "efficiency",
+    "host reads/step",
+    "warmup s",
+    "per-position acceptance (%)",
+    "chosen k",
+)
+
+
+def _chosen_k(chosen: dict[str, int] | None) -> str:
+    """``{"2": 30, "0": 4}`` as ``0:4 2:30`` (k: engine steps), or ``-``."""
+    if not chosen:
+        return "-"
+    return " ".join(f"{k}:{n}" for k, n in sorted(chosen.items(), key=lambda kv: int(kv[0])))
+
+
+def _bench_cells(r: dict[str, Any]) -> list[str]:
+    """One row of the speed table (:data:`BENCH_COLUMNS`); HF rows leave the inkfw columns ``-``."""
+    inkfw = r["system"] == "inkfw"
+    acceptance = r.get("acceptance_per_position") if inkfw else None
+    return [
+        r["prompt_set"],
+        r["name"],
+        f"{r['tokens_per_s']:.1f}",
+        _times(r.get("speedup_vs_hf")),
+        _times(r.get("speedup_vs_hf_mtp")),
+        _times(r.get("speedup_vs_plain")),
+        f"{r['mean_acceptance_length']:.2f}" if inkfw else "-",
+        _times(r.get("predicted_speedup")),
+        _plain_number(r.get("efficiency")),
+        f"{r['host_reads_per_step']:.1f}" if inkfw else "-",
+        f"{r['warmup_s']:.1f}" if inkfw else "-",
+        " ".join(f"{100 * a:.0f}" for a in acceptance) if acceptance else "-",
+        _chosen_k(r.get("chosen_k")),
+    ]
+
+
+def _forward_line(report: dict[str, Any]) -> str:
+    """The 1-token forward's op count and eager time (``one_token_forward``), or ""."""
+    fwd = report.get("one_token_forward") or {}
+    parts = [
+        f"{mode}: {v['top_level_ops']} top-level aten ops ({v['nested_ops']} in all), {v['wall_ms']:.2f} ms"
+        for mode, v in fwd.items()
+        if isinstance(v, dict)
+    ]
+    return f"1-token eager forward at position {fwd['context']}: " + "; ".join(parts) if parts else ""
+
+
+def _bench_title(report: dict[str, Any]) -> str:
+    machine = report["machine"]
+    return (
+        f"{report['model']['name']}: {report['max_new_tokens']} new tokens per request"
+        f"{' (EOS ignored)' if report['ignore_eos'] else ''}, {report['repeats']} repeat(s), "
+        f"{machine['threads']} thread(s), {machine['device']}"
+    )
+
+
+def bench_table(report: dict[str, Any]) -> Table:
+    """The benchmark's runs (``bench.json``'s ``results``) as a rich table: tokens/s, speed-ups
+    over HF ``generate`` / ``generate(use_mtp=True)`` / inkfw plain decoding, acceptance,
+    predicted speed-up and efficiency, host reads per step, warm-up and the k chosen by auto."""
+    forward = _forward_line(report)
+    table = Table(title=_bench_title(report) + (f"\n{forward}" if forward else ""))
+    for col in BENCH_COLUMNS:
+        table.add_column(col, justify="left" if col in ("prompt set", "run", "chosen k") else "right")
+    for r in report["results"]:
+        cells = _bench_cells(r)
+        ratio = r.get("speedup_vs_plain")
+        if ratio is not None:  # slower than plain decoding: red
+            style = "green" if ratio >= 1.0 else "red"
+            cells[5] = f"[{style}]{cells[5]}[/{style}]"
+        table.add_row(*cells)
+    return table
+
+
+def bench_markdown(report: dict[str, Any]) -> str:
+    """``bench.md``: the speed table, the 1-token forward, the engine's step split and overhead
+    (:func:`overhead_markdown`) and the greedy exactness check."""
+    lines = [f"# Benchmark: {_bench_title(report)}", ""]
+    forward = _forward_line(report)
+    if forward:
+        lines += [forward, ""]
+    lines += ["| " + " | ".join(BENCH_COLUMNS) + " |", "|" + "---|" * len(BENCH_COLUMNS)]
+    lines += ["| " + " | ".join(_bench_cells(r)) + " |" for r in report["results"]]
+    inkfw_rows = [r for r in report["results"] if r["system"] == "inkfw"]
+    if inkfw_rows:
+        lines += ["", "## Engine step and overhead", "", overhead_markdown(inkfw_rows).rstrip("\n")]
+    exact = report["exactness"]
+    lines += ["", "## Greedy exactness", ""]
+    if not exact["checked"]:
+        lines.append(f"Not checked: {exact['reason']}.")
+    elif exact["ok"]:
+        lines.append(f"{exact['runs_compared']} runs emitted their group's reference tokens exactly.")
+    else:
+        lines += [f"- {m['line']}" for m in exact["mismatches"]]
+    return "\n".join(lines) + "\n"
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def bench_plot(report: dict[str, Any], path: str | Path) -> bool:
+    """Tokens/s against k (plain decoding at k = 0, ``auto`` last), one line per mode, drafter
+    and batch size, HF's baselines dashed; one panel per prompt set. False without matplotlib."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    rows = report["results"]
+    sets = list(dict.fromkeys(r["prompt_set"] for r in rows))
+    ks = sorted({r["num_tokens"] for r in rows if r["system"] == "inkfw" and isinstance(r["num_tokens"], int)})
+    autos = any(r["num_tokens"] == "auto" for r in rows)
+    xs = {k: i for i, k in enumerate(ks)} | ({"auto": len(ks)} if autos else {})
+    fig, axes = plt.subplots(1, len(sets), figsize=(6.5 * len(sets), 4.5), squeeze=False)
+    for ax, name in zip(axes[0], sets):
+        mine = [r for r in rows if r["prompt_set"] == name]
+        lines: dict[tuple[str, str, int], dict[Any, float]] = {}
+        for r in mine:
+            if r["system"] != "inkfw":
+                continue
+            drafters = [d for d in dict.fromkeys(x["drafter"] for x in mine if x["system"] == "inkfw") if d != "none"]
+            for drafter in drafters if r["drafter"] == "none" else [r["drafter"]]:  # plain starts every line
+                lines.setdefault((r["mode"], drafter, r["batch_size"]), {})[r["num_tokens"]] = r["tokens_per_s"]
+        for (mode, drafter, batch), points in lines.items():
+            order = sorted(points, key=lambda k: xs[k])
+            ax.plot([xs[k] for k in order], [points[k] for k in order], marker="o", label=f"{mode} {drafter} b{batch}")
+        for r, color in zip([r for r in mine if r["system"] == "hf"], ("black", "gray")):
+            ax.axhline(r["tokens_per_s"], color=color, linestyle="--", linewidth=1, label=r["name"])
+        ax.set_xticks(list(xs.values()), ["plain" if k == 0 else str(k) for k in xs])
+        ax.set_xlabel("k (draft tokens per step)")
+        ax.set_ylabel("tokens/s")
+        ax.set_title(name)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def bench_acceptance_plot(report: dict[str, Any], path: str | Path) -> bool:
+    """Per-position acceptance (%) against the draft position, one curve per drafter and k (in
+    the first mode at the first batch size: greedy runs accept alike in every mode); one panel
+    per prompt set. False without matplotlib."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    rows = [r for r in report["results"] if r["system"] == "inkfw" and r["drafter"] != "none"]
+    sets = list(dict.fromkeys(r["prompt_set"] for r in report["results"]))
+    fig, axes = plt.subplots(1, len(sets), figsize=(6.5 * len(sets), 4.2), squeeze=False)
+    cmap = plt.get_cmap("viridis")
+    for ax, name in zip(axes[0], sets):
+        mine = [r for r in rows if r["prompt_set"] == name]
+        if mine:
+            mode, batch = mine[0]["mode"], mine[0]["batch_size"]
+            mine = [r for r in mine if r["mode"] == mode and r["batch_size"] == batch]
+            ax.set_title(f"{name} ({mode}, batch {batch})")
+        for i, r in enumerate(mine):
+            acc = r["acceptance_per_position"]
+            ax.plot(
+                range(1, len(acc) + 1),
+                [100 * a for a in acc],
+                marker="o",
+                color=cmap(i / max(1, len(mine))),
+                label=f"{r['drafter']} k={r['num_tokens']} (tau {r['mean_acceptance_length']:.2f})",
+            )
+        ax.set_xlabel("draft position")
+        ax.set_ylabel("accepted (% of verify steps)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# ---------------------------------------------------------------- benchmark: engine overhead
+def overhead_markdown(results: Sequence[dict[str, Any]]) -> str:
+    """The inkfw runs' step split and overhead (:meth:`inkfw.bench.timing.CaseTiming.result`
+    rows) as a Markdown table."""
     cache = _has_cache_time(results)
     head = (
-        "| drafter | batch | wall s | tokens/s | steps | step ms | forward ms | **overhead** | per repeat "
+        "| prompt set | run | wall s | tokens/s | steps | step ms | forward ms | **overhead** | per repeat "
         "| non-fwd ms/step | draft other ms | verify other ms | bookkeeping ms | tau | KV MiB |"
         + (" cache ms in fwd | model-only overhead |" if cache else "")
     )
@@ -197,7 +402,7 @@ def bench_markdown(results: Sequence[dict[str, Any]]) -> str:
     for r in results:
         n = max(1, r["num_steps"])
         lines.append(
-            f"| {r['drafter']} (k={r['num_draft_tokens']}) | {r['batch_size']} | {r['wall_s']:.2f} | "
+            f"| {r['prompt_set']} | {r['name']} | {r['wall_s']:.2f} | "
             f"{r['tokens_per_s']:.1f} | {r['num_steps']} | {r['step_ms']:.1f} | {1e3 * r['forward_s'] / n:.1f} | "
             f"**{r['overhead_ratio']:.3f}** | {_spread(r['overhead_ratio_per_repeat'])} | "
             f"{r['non_forward_ms_per_step']:.2f} | {1e3 * r['draft_non_forward_s'] / n:.2f} | "
@@ -208,14 +413,15 @@ def bench_markdown(results: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def bench_table(results: Sequence[dict[str, Any]], profiled: bool = False) -> Table:
-    """The benchmark's results as a rich table (overhead green within the target, else red)."""
+def overhead_table(results: Sequence[dict[str, Any]], profiled: bool = False) -> Table:
+    """The inkfw runs' step split and overhead as a rich table (overhead green within the
+    target, else red)."""
     table = Table(
         title=f"engine overhead (target <= {OVERHEAD_TARGET})" + ("; cProfile on: times inflated" if profiled else "")
     )
     cache = _has_cache_time(results)
     for col in (
-        "config",
+        "run",
         "wall s",
         "tok/s",
         "steps",
@@ -229,7 +435,7 @@ def bench_table(results: Sequence[dict[str, Any]], profiled: bool = False) -> Ta
         "tau",
         "KV MiB",
     ):
-        table.add_column(col, justify="right" if col != "config" else "left")
+        table.add_column(col, justify="right" if col != "run" else "left")
     if cache:
         table.add_column("cache ms/step in fwd", justify="right")
         table.add_column("model-only overhead", justify="right")
@@ -237,7 +443,7 @@ def bench_table(results: Sequence[dict[str, Any]], profiled: bool = False) -> Ta
         ratio = r["overhead_ratio"]
         style = "green" if ratio <= OVERHEAD_TARGET else "red"
         table.add_row(
-            f"{r['drafter']} k={r['num_draft_tokens']} b={r['batch_size']}",
+            _run_label(r),
             f"{r['wall_s']:.2f}",
             f"{r['tokens_per_s']:.1f}",
             str(r["num_steps"]),
@@ -262,33 +468,12 @@ def bench_table(results: Sequence[dict[str, Any]], profiled: bool = False) -> Ta
     return table
 
 
-def bench_comparison_lines(results: Sequence[dict[str, Any]]) -> list[str]:
-    """Per batch size with both ``none`` and ``mtp`` results: their tokens/s ratio, mtp's tau
-    and how many requests' greedy outputs differed between the drafters."""
-    by = {(r["drafter"], r["batch_size"]): r for r in results}
-    lines = []
-    for b in dict.fromkeys(r["batch_size"] for r in results):
-        if ("none", b) in by and ("mtp", b) in by:
-            none, mtp = by[("none", b)], by[("mtp", b)]
-            lines.append(
-                f"batch {b}: mtp/none tokens/s = {mtp['tokens_per_s'] / none['tokens_per_s']:.3f} "
-                f"(tau {mtp['mean_acceptance_length']:.2f}; random weights accept almost nothing); "
-                f"requests whose greedy output differs between drafters: "
-                f"{mtp['greedy_output_mismatches']}"
-            )
-    return lines
-
-
-def bench_plot(results: Sequence[dict[str, Any]], path: str | Path) -> bool:
-    """Stacked ms/step per configuration and the overhead ratio as a PNG; False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+def overhead_plot(results: Sequence[dict[str, Any]], path: str | Path) -> bool:
+    """Stacked ms/step per inkfw run and the overhead ratio as a PNG; False without matplotlib."""
+    plt = _pyplot()
+    if plt is None:
         return False
-    names = [f"{r['drafter']}\nb={r['batch_size']}" for r in results]
+    names = [_run_label(r).replace(" ", "\n", 1) for r in results]
     parts = [
         ("target forward", "verify_forward_s", "#4c72b0"),
         ("draft forward", "draft_forward_s", "#55a868"),
@@ -296,7 +481,7 @@ def bench_plot(results: Sequence[dict[str, Any]], path: str | Path) -> bool:
         ("draft other", "draft_non_forward_s", "#dd8452"),
         ("bookkeeping", "bookkeeping_s", "#8172b3"),
     ]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(11, 0.5 * len(results)), 4.2))
     bottom = [0.0] * len(results)
     for label, key, color in parts:
         vals = [1e3 * r[key] / max(1, r["num_steps"]) for r in results]
@@ -317,6 +502,8 @@ def bench_plot(results: Sequence[dict[str, Any]], path: str | Path) -> bool:
     ax2.set_ylabel("step time / forward time")
     ax2.set_title("engine overhead")
     ax2.legend(fontsize=8, loc="upper left")
+    for ax in (ax1, ax2):
+        ax.tick_params(axis="x", labelsize=6, rotation=90)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,4 +1,5 @@
-"""Engine benchmark: overhead (step time / forward time), tokens/s and KV bytes per configuration.
+"""The benchmark: inkfw plain and MTP decoding against HF transformers ``generate`` on one
+checkpoint (``inkfw/conf/bench.yaml``; the GPU check: ``--config-name bench_gpu``).
 
 The same program as the console script ``inkfw-bench`` (:func:`inkfw.entrypoints.bench_main`)."""
 

@@ -1,94 +1,372 @@
-"""scripts/bench.py's run on the random-init debug preset, one repeat: the report holds every
-configuration with sane timings, the drafters agree on greedy outputs, and the files are written.
+"""scripts/bench.py (inkfw.bench): which runs a benchmark makes, the HF baseline's token counts,
+the greedy exactness check, and tiny end-to-end runs (the shipped checkpoint against HF, the
+random-init debug preset, the GPU preset on a CPU) writing JSON, Markdown and PNGs.
 
 Only the shape and consistency of the numbers are checked, never a speed.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from rich.console import Console
 
 from inkfw.bench import run_bench
+from inkfw.bench.exactness import ExactnessCheck, differing_requests, first_difference
+from inkfw.bench.hf_baseline import HfBaseline
+from inkfw.bench.plan import BenchRun, plan_runs
+from inkfw.bench.prompt_sets import batch_requests, load_prompt_set
+from inkfw.bench.run import adaptive_predicted_speedup, add_speedups
+from inkfw.bench.timing import predicted_speedup
 from inkfw.errors import ConfigError
+from inkfw.eval_acceptance import humaneval_prompts
 from inkfw.paths import config_dir
+from inkfw.reporting import bench_acceptance_plot, bench_markdown, bench_plot, bench_table
+from inkfw.speculative.factory import load_tokenizer
 
 CONF = config_dir()
-TINY = [
-    "model=inkling-debug",
-    "batch_sizes=[1,2]",
-    "max_new_tokens=5",
-    "prompt_len=6",
+ROOT = Path(__file__).resolve().parent.parent
+CKPT = ROOT / "checkpoints" / "inkling-tiny"
+PNG = b"\x89PNG\r\n\x1a\n"
+# the shipped checkpoint, two held-out prompts, a few tokens, eager only
+SHIPPED = [
+    "prompt_sets=[stdlib-heldout]",
+    "num_prompts=2",
+    "max_new_tokens=4",
+    "modes=[eager]",
+    "num_tokens=[2,9]",  # k = 9 > D = 8 cycles the depths
     "warmup_tokens=2",
-    "repeats=1",
-    "plot=true",
+    "forward_ops=[uncached]",
+    "forward_repeats=1",
+    "threads=1",
+]
+DEBUG = [  # the random-init debug preset: random prompts, no HF baseline
+    "model=inkling-debug",
+    "prompt_sets=[random]",
+    "hf=[]",
+    "modes=[eager]",
+    "num_tokens=[4]",
+    "batch_sizes=[1,2]",
+    "num_prompts=2",
+    "prompt_len=6",
+    "max_new_tokens=5",
+    "warmup_tokens=2",
+    "forward_ops=[]",
+    "threads=1",
 ]
 
 
 @pytest.fixture(autouse=True, scope="module")
 def restore_threads():
-    before = torch.get_num_threads()  # the benchmark sets threads=1
+    before = torch.get_num_threads()  # the benchmark sets threads
     yield
     torch.set_num_threads(before)
 
 
-def bench_cfg(*overrides: str):
+def bench_cfg(*overrides: str, name: str = "bench"):
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("bench", overrides=[*TINY, *overrides])
+        return compose(name, overrides=list(overrides))
 
 
-def test_one_repeat_on_the_debug_preset(tmp_path):
-    report = run_bench(bench_cfg(f"output_dir={tmp_path}", "cache_time=true"))
+# ------------------------------------------------------------------ the plan
+def test_plan_expands_the_lists_into_one_round():
+    runs = plan_runs(["none", "mtp"], [2, "auto"], ["eager", "compiled"], [1, 16], ["generate", "generate_mtp"])
+    names = [r.name for r in runs]
+    assert names[:2] == ["hf generate", "hf generate(use_mtp)"]  # HF first, at batch 1 only
+    assert all(r.batch_size == 1 and r.mode == "hf" for r in runs[:2])
+    assert names[2:8] == [
+        "eager none b1",
+        "eager mtp k=2 b1",
+        "eager mtp k=auto b1",
+        "compiled none b1",
+        "compiled mtp k=2 b1",
+        "compiled mtp k=auto b1",
+    ]
+    assert len(runs) == 2 + 2 * 2 * 3 and names[-1] == "compiled mtp k=auto b16"
+    assert len({r.engine_key for r in runs[2:]}) == 12  # one engine per inkfw run
+    assert runs[1].use_mtp and not runs[0].use_mtp and not runs[3].use_mtp
+    # no HF, one drafter: only the inkfw runs of that drafter
+    only = plan_runs(["mtp"], [1, 8], ["eager"], [4], [])
+    assert [r.name for r in only] == ["eager mtp k=1 b4", "eager mtp k=8 b4"]
+    assert only[0] == BenchRun("inkfw", "eager", "mtp", 1, 4)
+
+
+def test_requests_fill_whole_batches():
+    prompts = [[1], [2], [3]]
+    assert batch_requests(prompts, 1) == prompts
+    assert batch_requests(prompts, 2) == [[1], [2], [3], [1]]
+    assert batch_requests(prompts, 16) == [prompts[i % 3] for i in range(16)]
+
+
+def test_prompt_sets_come_from_eval_acceptance():
+    tok = load_tokenizer({"path": str(CKPT)})
+    heldout = load_prompt_set("stdlib-heldout", tok, None, 4096, 32, 0)
+    first_line = json.loads((ROOT / "benchmarks/prompts/stdlib-heldout.jsonl").read_text().splitlines()[0])
+    assert len(heldout) == 12 and heldout[0] == tok.encode(first_line["prompt"]).ids
+    humaneval = load_prompt_set("humaneval", tok, 3, 4096, 32, 0)
+    assert len(humaneval) == 3 and humaneval[0] == tok.encode(humaneval_prompts()[0]).ids
+    random = load_prompt_set("random", None, 4, 100, 7, seed=1)
+    assert [len(p) for p in random] == [7] * 4 and random == load_prompt_set("random", None, 4, 100, 7, seed=1)
+    assert all(3 <= t < 100 for p in random for t in p)
+
+
+# ------------------------------------------------------------------ HF baseline
+def test_hf_baseline_counts_the_tokens_it_generated():
+    tok = load_tokenizer({"path": str(CKPT)})
+    prompts = load_prompt_set("stdlib-heldout", tok, 2, 4096, 32, 0)
+    plain = HfBaseline(CKPT, torch.float32, torch.device("cpu"), [2], ignore_eos=True)
+    run = plain.generate(prompts, 3, use_mtp=False)
+    assert [len(o) for o in run.outputs] == [3, 3] and run.tokens == 6 and run.wall_s > 0
+    assert plain.generate(prompts, 3, use_mtp=True).outputs == run.outputs  # HF MTP is lossless
+    # the first generated token of prompt 0 taken as EOS: HF stops there, unless EOS is ignored
+    eos = run.outputs[0][0]
+    stopping = HfBaseline(CKPT, torch.float32, torch.device("cpu"), [eos], ignore_eos=False)
+    stopped = stopping.generate(prompts, 3, use_mtp=False)
+    assert len(stopped.outputs[0]) == 1 and stopped.tokens == 1 + len(stopped.outputs[1])
+    ignoring = HfBaseline(CKPT, torch.float32, torch.device("cpu"), [eos], ignore_eos=True)
+    assert ignoring.generate(prompts, 3, use_mtp=False).tokens == 6
+
+
+# ------------------------------------------------------------------ exactness
+def test_exactness_passes_equal_outputs_and_flags_an_injected_mismatch():
+    reference = [[5, 6, 7, 8], [1, 2, 3, 4]]
+    check = ExactnessCheck()
+    assert check.add("humaneval", 2, 0, "eager none b2", reference) == []  # the group's reference
+    assert check.add("humaneval", 2, 0, "eager mtp k=8 b2", [list(o) for o in reference]) == []
+    assert check.add("humaneval", 1, 0, "eager none b1", [[9, 9]]) == []  # another group
+    assert check.ok and check.compared == 1
+    injected = [[5, 6, 7, 8], [1, 2, 0, 4]]  # one token of request 1 differs
+    assert check.add("humaneval", 2, 0, "graphs mtp k=8 b2", injected) == [1]
+    assert not check.ok and len(check.mismatches) == 1
+    m = check.mismatches[0]
+    assert (m.run, m.reference, m.requests, m.first_position) == ("graphs mtp k=8 b2", "eager none b2", [1], 2)
+    assert m.line() == (
+        "humaneval, batch 2, repeat 1: graphs mtp k=8 b2 differs from eager none b2 in 1 request(s) [1]; "
+        "first at request 1, token 2"
+    )
+    summary = check.summary()
+    assert summary["ok"] is False and summary["mismatches"][0]["line"] == m.line()
+    assert summary["references"] == {"humaneval b2": "eager none b2", "humaneval b1": "eager none b1"}
+    # a shorter output differs where it ends
+    assert first_difference([1, 2], [1, 2, 3]) == 2 and first_difference([1, 2], [1, 2]) is None
+    assert differing_requests([[1], [2, 3]], [[1], [2]]) == [1]
+
+
+# ------------------------------------------------------------------ derived numbers
+def _row(system, drafter, tps, mode="eager", batch=1, **extra):
+    return {
+        "system": system,
+        "prompt_set": "s",
+        "drafter": drafter,
+        "mode": mode,
+        "batch_size": batch,
+        "tokens_per_s": tps,
+        **extra,
+    }
+
+
+def test_speedups_and_predicted_speedup():
+    steps = {"num_steps": 10, "draft_s": 0.0, "verify_s": 1.0}
+    rows = [
+        _row("hf", "none", 20.0),
+        _row("hf", "mtp", 10.0),
+        _row("inkfw", "none", 40.0, mean_acceptance_length=1.0, **steps),
+        # tau 3 at twice plain's step cost: predicted 1.5x; measured 10 / 40
+        _row("inkfw", "mtp", 10.0, mean_acceptance_length=3.0, num_steps=5, draft_s=0.4, verify_s=0.6),
+        _row("inkfw", "mtp", 30.0, batch=4, mean_acceptance_length=2.0, **steps),  # no plain row at batch 4
+    ]
+    add_speedups(rows)
+    hf, hf_mtp, plain, mtp, lone = rows
+    assert hf["speedup_vs_hf"] == 1.0 and hf["speedup_vs_hf_mtp"] == 2.0 and "speedup_vs_plain" not in hf
+    assert hf_mtp["speedup_vs_hf"] == 0.5
+    assert plain["speedup_vs_hf"] == 2.0 and plain["speedup_vs_plain"] == 1.0 and plain["predicted_speedup"] == 1.0
+    assert mtp["speedup_vs_plain"] == 0.25 and mtp["speedup_vs_hf_mtp"] == 1.0
+    assert mtp["predicted_speedup"] == pytest.approx(3.0 * 0.1 / 0.2)
+    assert mtp["efficiency"] == pytest.approx(0.25 / 1.5)
+    assert lone["speedup_vs_plain"] is None and lone["predicted_speedup"] is None and lone["efficiency"] is None
+    assert predicted_speedup({**mtp, "num_steps": 0}, plain) is None
+    # auto's own expectation: E(k*) x step_s[0] / step_s[k*] at the smallest measured bucket >= B
+    summary = {"costs": {"1": [1.0, 1.5, 2.0], "16": [4.0, 8.0, 16.0]}, "best_k": {"1": 2, "16": 0},
+               "expected_tokens": [1.0, 1.8, 2.5]}  # fmt: skip
+    assert adaptive_predicted_speedup(summary, 1) == pytest.approx(2.5 * 1.0 / 2.0)
+    assert adaptive_predicted_speedup(summary, 4) == 1.0  # bucket 16 falls back to k = 0
+    assert adaptive_predicted_speedup(summary, 32) is None and adaptive_predicted_speedup(None, 1) is None
+
+
+def _report(results, exactness):
+    machine = {"threads": 2, "device": "cpu"}
+    model = {"name": "checkpoints/inkling-tiny"}
+    return {
+        "machine": machine,
+        "model": model,
+        "max_new_tokens": 64,
+        "ignore_eos": True,
+        "repeats": 1,
+        "one_token_forward": {},
+        "results": results,
+        "exactness": exactness,
+    }
+
+
+def test_renderings_of_auto_rows_and_a_failed_check(tmp_path):
+    overhead = {
+        "wall_s": 1.0, "tokens": 64, "num_steps": 20, "step_s": 0.9, "forward_s": 0.8, "overhead_ratio": 1.125,
+        "overhead_ratio_per_repeat": [1.125], "step_ms": 45.0, "non_forward_ms_per_step": 5.0, "draft_s": 0.3,
+        "verify_s": 0.5, "bookkeeping_s": 0.1, "draft_forward_s": 0.25, "verify_forward_s": 0.55,
+        "draft_non_forward_s": 0.05, "verify_non_forward_s": -0.05, "cache_in_forward_s": None,
+        "overhead_ratio_model_only": None, "kv_bytes": 2**20, "host_reads_per_step": 1.0, "warmup_s": 3.5,
+    }  # fmt: skip
+    hf = _row("hf", "none", 20.0, name="hf generate", num_tokens=0, speedup_vs_hf=1.0, speedup_vs_hf_mtp=None)
+    plain = _row("inkfw", "none", 40.0, name="eager none b1", num_tokens=0, mean_acceptance_length=1.0,
+                 acceptance_per_position=[], chosen_k=None, speedup_vs_hf=2.0, speedup_vs_plain=1.0, **overhead)  # fmt: skip
+    auto = _row("inkfw", "mtp", 30.0, name="eager mtp k=auto b1", num_tokens="auto", mean_acceptance_length=2.5,
+                acceptance_per_position=[0.8, 0.7], chosen_k={"2": 30, "0": 4}, speedup_vs_hf=1.5,
+                speedup_vs_plain=0.75, predicted_speedup=1.5, efficiency=0.5, **overhead)  # fmt: skip
+    failed = ExactnessCheck()
+    failed.add("s", 1, 0, "eager none b1", [[1, 2]])
+    failed.add("s", 1, 0, "eager mtp k=auto b1", [[1, 3]])
+    report = _report([hf, plain, auto], failed.summary())
+    text = rendered(bench_table(report))
+    assert "0:4 2:30" in text and "80 70" in text and "0.75x" in text and "0.50" in text
+    md = bench_markdown(report)
+    assert (
+        "| s | eager mtp k=auto b1 | 30.0 | 1.50x | - | 0.75x | 2.50 | 1.50x | 0.50 | 1.0 | 3.5 | 80 70 | 0:4 2:30 |"
+        in md
+    )
+    assert "| s | hf generate | 20.0 | 1.00x | - | - | - | - | - | - | - | - | - |" in md
+    assert "- s, batch 1, repeat 1: eager mtp k=auto b1 differs from eager none b1 in 1 request(s) [0]" in md
+    assert bench_plot(report, tmp_path / "bench.png") and bench_acceptance_plot(report, tmp_path / "acc.png")
+    assert (tmp_path / "bench.png").read_bytes()[:8] == PNG and (tmp_path / "acc.png").read_bytes()[:8] == PNG
+
+
+def rendered(renderable) -> str:
+    console = Console(width=400, record=True, file=io.StringIO())
+    console.print(renderable)
+    return console.export_text()
+
+
+# ------------------------------------------------------------------ runs
+def test_shipped_checkpoint_against_hf(tmp_path):
+    report = run_bench(bench_cfg(*SHIPPED, "batch_sizes=[1,2]", f"output_dir={tmp_path}"))
     written = json.loads((tmp_path / "bench.json").read_text())
-    assert written["results"] == report["results"]
-    assert written["config"]["spec"]["num_tokens"] is None and written["config"]["kv"]["block_size"] == 16
-    rows = {(r["drafter"], r["batch_size"]): r for r in written["results"]}
+    assert written["results"] == report["results"] and written["exactness"]["ok"]
+    rows = {r["name"]: r for r in report["results"]}
+    assert list(rows) == [
+        "hf generate",
+        "hf generate(use_mtp)",
+        "eager none b1",
+        "eager mtp k=2 b1",
+        "eager mtp k=9 b1",
+        "eager none b2",
+        "eager mtp k=2 b2",
+        "eager mtp k=9 b2",
+    ]
+    hf = rows["hf generate"]
+    assert hf["tokens"] == 2 * 4 and hf["num_requests"] == 2 and hf["speedup_vs_hf"] == 1.0
+    for r in rows.values():
+        assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["wall_s"])
+        assert r["speedup_vs_hf"] == pytest.approx(r["tokens_per_s"] / hf["tokens_per_s"])
+        assert r["speedup_vs_hf_mtp"] == pytest.approx(r["tokens_per_s"] / rows["hf generate(use_mtp)"]["tokens_per_s"])
+        if r["system"] == "hf":
+            continue
+        assert r["tokens"] == 2 * 4  # ignore_eos: every request decodes max_new_tokens; 2 prompts fill batch 2
+        plain = rows[f"eager none b{r['batch_size']}"]
+        assert r["speedup_vs_plain"] == pytest.approx(r["tokens_per_s"] / plain["tokens_per_s"])
+        assert r["predicted_speedup"] == pytest.approx(predicted_speedup(r, plain))
+        assert r["efficiency"] == pytest.approx(r["speedup_vs_plain"] / r["predicted_speedup"])
+        assert r["host_reads"] > 0 and r["host_reads_per_step"] == pytest.approx(r["host_reads"] / r["num_steps"])
+        assert r["warmup_s"] >= 0 and r["chosen_k"] is None and r["adaptive_predicted_speedup"] is None  # fixed k
+        k = 0 if r["drafter"] == "none" else r["num_tokens"]
+        assert r["num_draft_tokens"] == k and len(r["acceptance_per_position"]) <= k
+        assert 1.0 <= r["mean_acceptance_length"] <= 1 + k
+        assert r["mean_acceptance_length"] == pytest.approx(1 + sum(r["acceptance_per_position"]))
+    assert rows["eager mtp k=9 b1"]["mean_acceptance_length"] > 1.0  # trained depths are accepted
+    # greedy: every inkfw run equals plain decoding at its batch size, and HF agrees at batch 1
+    assert report["exactness"]["runs_compared"] == 4 and report["exactness"]["mismatches"] == []
+    assert report["exactness"]["references"] == {
+        "stdlib-heldout b1": "eager none b1",
+        "stdlib-heldout b2": "eager none b2",
+    }
+    assert report["hf_vs_inkfw_greedy"]["stdlib-heldout hf generate"] == {"requests": 2, "differ": 0}
+    fwd = report["one_token_forward"]["uncached"]
+    assert fwd["top_level_ops"] > 0 and fwd["nested_ops"] >= fwd["top_level_ops"] and fwd["wall_ms"] > 0
+    markdown = (tmp_path / "bench.md").read_text()
+    assert "| stdlib-heldout | eager mtp k=9 b1 |" in markdown and "| stdlib-heldout | hf generate | " in markdown
+    assert "top-level aten ops" in markdown and "4 runs emitted their group's reference tokens exactly" in markdown
+    for png in ("bench.png", "acceptance.png", "overhead.png"):
+        assert (tmp_path / png).read_bytes()[:8] == PNG
+
+
+def test_debug_preset_overhead_and_profile(tmp_path):
+    """A random-init preset without HF: the engine's step split and overhead per run (with the
+    paged cache's own time), and cProfile listings of the engine's work outside forwards."""
+    report = run_bench(
+        bench_cfg(*DEBUG, "repeats=2", f"output_dir={tmp_path}", "cache_time=true", "profile=true", "plot=false")
+    )
+    rows = {(r["drafter"], r["batch_size"]): r for r in report["results"]}
     assert sorted(rows) == [("mtp", 1), ("mtp", 2), ("none", 1), ("none", 2)]
-    for (drafter, batch), r in rows.items():
-        assert r["tokens"] == batch * 5  # ignore_eos: every request decodes max_new_tokens
-        assert r["wall_s"] > 0 and r["tokens_per_s"] == pytest.approx(r["tokens"] / r["wall_s"])
-        assert r["num_steps"] >= 5 and r["step_s"] > r["forward_s"] > 0
+    for (drafter, _), r in rows.items():
+        assert r["tokens"] == 2 * 2 * 5 and r["speedup_vs_hf"] is None  # 2 repeats of 2 requests
+        assert r["num_steps"] >= 2 * 5 and r["step_s"] > r["forward_s"] > 0
         assert r["overhead_ratio"] == pytest.approx(r["step_s"] / r["forward_s"]) and r["overhead_ratio"] > 1
-        assert r["overhead_ratio_per_repeat"] == [pytest.approx(r["overhead_ratio"])]
+        low, high = min(r["overhead_ratio_per_repeat"]), max(r["overhead_ratio_per_repeat"])
+        assert len(r["overhead_ratio_per_repeat"]) == 2 and low <= r["overhead_ratio"] <= high
         # the phases' forwards (from the engine's observer hooks) add up to the engine's forward time
         assert r["verify_forward_s"] + r["draft_forward_s"] == pytest.approx(r["forward_s"], rel=1e-6)
         assert 0 < r["verify_forward_s"] <= r["verify_s"] and 0 <= r["draft_forward_s"] <= r["draft_s"]
         assert (r["draft_forward_s"] > 0) == (drafter == "mtp")
-        assert r["num_draft_tokens"] == (4 if drafter == "mtp" else 0)  # k = D = the 4 depths that ship
-        assert 1.0 <= r["mean_acceptance_length"] <= 1 + r["num_draft_tokens"]
+        assert r["num_draft_tokens"] == (4 if drafter == "mtp" else 0)
         assert 0 < r["cache_in_forward_s"] < r["forward_s"]  # the paged cache's timing hook
         assert r["overhead_ratio_model_only"] > r["overhead_ratio"]
-        assert r["greedy_output_mismatches"] == 0  # lossless: greedy outputs of none and mtp are equal
     for batch in (1, 2):  # the MTP depths' pools come on top of the target's
         assert rows[("mtp", batch)]["kv_bytes"] > rows[("none", batch)]["kv_bytes"] > 0
+    assert report["exactness"]["ok"] and report["exactness"]["runs_compared"] == 2 * 2  # mtp vs none, per repeat
     markdown = (tmp_path / "bench.md").read_text()
-    assert "| mtp (k=4) | 2 |" in markdown and "model-only overhead" in markdown
-    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
-
-
-def test_sampled_outputs_differ_and_the_profile_is_written(tmp_path):
-    """Negative control of the greedy comparison (sampling draws differently per drafter), and
-    profile=true pausing the profiler in forwards through the observer hooks."""
-    report = run_bench(
-        bench_cfg(
-            "batch_sizes=[2]",
-            f"output_dir={tmp_path}",
-            "plot=false",
-            "profile=true",
-            "sampler.temperature=1.0",
-            "sampler.seed=0",
-            "max_new_tokens=8",
+    assert "| random | eager mtp k=4 b2 |" in markdown and "model-only overhead" in markdown
+    for name in ("eager-none-b2", "eager-mtp-k=4-b2"):
+        text = (tmp_path / f"profile-random-{name}.txt").read_text()
+        assert (
+            text.startswith(f"{name.replace('-', ' ')} on random (profiler on)") and "Top functions by own time" in text
         )
-    )
-    assert all(r["greedy_output_mismatches"] > 0 for r in report["results"])
-    for drafter in ("none", "mtp"):
-        text = (tmp_path / f"profile-{drafter}-b2.txt").read_text()
-        assert text.startswith(f"{drafter} b=2 (profiler on)") and "Top functions by own time" in text
         assert "inkfw/speculative/engine.py" in text  # the engine's own work is profiled
     assert not (tmp_path / "bench.png").exists()
+
+
+def test_gpu_preset_runs_on_a_cpu_with_a_tiny_override(tmp_path):
+    cfg = bench_cfg(
+        "device=cpu",
+        "modes=[eager]",
+        "num_prompts=2",
+        "max_new_tokens=3",
+        "warmup_tokens=0",
+        "forward_ops=[]",
+        "threads=1",
+        "plot=false",
+        f"output_dir={tmp_path}",
+        name="bench_gpu",
+    )
+    assert list(cfg.batch_sizes) == [1, 16] and list(cfg.num_tokens) == [8, "auto"]
+    assert list(cfg.hf) == ["generate", "generate_mtp"] and list(cfg.prompt_sets) == ["stdlib-heldout"]
+    cfg.num_tokens = [8]  # auto's engine side is the engine's tests' business
+    report = run_bench(cfg)
+    names = [r["name"] for r in report["results"]]
+    assert names == [
+        "hf generate",
+        "hf generate(use_mtp)",
+        "eager none b1",
+        "eager mtp k=8 b1",
+        "eager none b16",
+        "eager mtp k=8 b16",
+    ]
+    assert [r["tokens"] for r in report["results"]] == [2 * 3, 2 * 3, 2 * 3, 2 * 3, 16 * 3, 16 * 3]
+    assert report["exactness"]["ok"] and report["exactness"]["runs_compared"] == 2
+    assert report["config"]["modes"] == ["eager"] and (tmp_path / "bench.json").is_file()
 
 
 @pytest.mark.parametrize(
@@ -97,13 +375,40 @@ def test_sampled_outputs_differ_and_the_profile_is_written(tmp_path):
         (["drafters=[none,foo]"], "drafters must be a list drawn from mtp, ngram, none"),
         (["batch_sizes=[0]"], "batch_sizes"),
         (["repeats=0"], "repeats"),
+        (["modes=[eager,turbo]"], "modes must be a list drawn from eager, compiled, graphs, compiled_graphs"),
+        (["num_tokens=[2,0]"], "num_tokens must be a non-empty list of integers >= 1 and/or auto"),
+        (["hf=[generate,vllm]"], "hf must be a list drawn from generate, generate_mtp"),
+        (["spec.num_tokens=4"], "give num_tokens=[4] instead"),
+        (["num_prompts=0"], "num_prompts"),
+        (["forward_ops=[compiled]"], "forward_ops"),
+        (["prompt_sets=[nope.jsonl]"], "prompts='nope.jsonl' is neither a prompt set"),
         (["kv.block_size=0"], "kv.block_size"),
-        (["spec.num_tokens=0"], "spec.num_tokens"),
         (["engine.max_num_batched_tokens=0"], "engine.max_num_batched_tokens"),
         (["prompt_len=200000"], "model limit"),  # the preset's 131072 positions
     ],
 )
 def test_bad_options_raise_one_sentence(overrides, needle, tmp_path):
     with pytest.raises(ConfigError) as info:
-        run_bench(bench_cfg(f"output_dir={tmp_path}", *overrides))
+        run_bench(bench_cfg(*DEBUG, f"output_dir={tmp_path}", *overrides))
     assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_hf_baselines_need_a_checkpoint_and_greedy_decoding():
+    with pytest.raises(ConfigError, match="model preset 'inkling-debug' has no path"):
+        run_bench(bench_cfg(*DEBUG, "hf=[generate]"))
+    with pytest.raises(ConfigError, match="the HF baselines decode greedily"):
+        run_bench(bench_cfg(*SHIPPED, "sampler.temperature=1.0"))
+
+
+def test_the_script_exits_1_when_greedy_outputs_differ(monkeypatch, tmp_path):
+    """scripts/bench.py writes everything, then exits 1 when the exactness check failed."""
+    import inkfw.bench
+    from inkfw.entrypoints import bench_main
+
+    monkeypatch.setattr(inkfw.bench, "run_bench", lambda cfg: {"exactness": {"ok": False}})
+    monkeypatch.setattr(sys, "argv", ["bench.py", f"hydra.run.dir={tmp_path}", "hydra.output_subdir=null"])
+    with pytest.raises(SystemExit) as info:
+        bench_main()
+    assert info.value.code == 1
+    monkeypatch.setattr(inkfw.bench, "run_bench", lambda cfg: {"exactness": {"ok": True}})
+    bench_main()  # no exit

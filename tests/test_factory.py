@@ -31,6 +31,9 @@ NON_DEFAULT = {
     "max_model_len": ("64", 64),
     "check_drafts": ("true", True),
     "check_drafts_atol": ("0.5", 0.5),
+    "compile": ("true", True),
+    "cuda_graphs": ("false", False),
+    "batch_buckets": ("[8,1]", (1, 8)),
 }
 
 

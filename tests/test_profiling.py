@@ -6,11 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 
 from inkfw.models.inkling.checkpoint import load_model
-from inkfw.profiling import aten_op_histogram, count_aten_ops, one_token_forwards
+from inkfw.profiling import HOST_READ_METHODS, aten_op_histogram, count_aten_ops, count_host_reads, one_token_forwards
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,3 +74,79 @@ def test_count_ops_script_rejects_unknown_modes(tmp_path):
     assert out.returncode == 2
     lines = [ln for ln in out.stderr.splitlines() if ln.strip() and "USDT" not in ln]
     assert len(lines) == 1 and lines[0].startswith("error: ") and "modes" in lines[0]
+
+
+def test_count_host_reads_counts_each_kind():
+    x = torch.tensor([1.5, 2.5])
+    one, index = torch.tensor(1), torch.tensor(0)
+    with count_host_reads() as reads:
+        x[0].item()
+        x.tolist()
+        bool(one)
+        int(one)
+        float(one)
+        [10, 20][index]
+        x.cpu()
+        x.numpy()
+        if one:
+            pass
+    assert reads.by_kind == {
+        "item": 1,
+        "tolist": 1,
+        "__bool__": 2,
+        "__int__": 1,
+        "__float__": 1,
+        "__index__": 1,
+        "cpu": 1,
+        "numpy": 1,
+    }
+    assert reads.count == 9
+
+
+def test_count_host_reads_ignores_device_ops():
+    x, idx = torch.arange(6.0).reshape(2, 3), torch.tensor([1, 0])
+    with count_host_reads() as reads:
+        y = x + 1
+        y = y[idx]  # [2, 3]
+        y = y[:, idx]  # [2, 2]
+        torch.tensor([1, 2])
+        (x > 2).any()
+        x.to(torch.float64)
+        x.to("cpu")  # already on the host: no device->host copy
+        torch.where(x > 2, x, torch.zeros_like(x))
+    assert reads.count == 0 and not reads.by_kind
+
+
+def test_count_host_reads_counts_copies_from_a_device_to_the_host():
+    device_tensor = torch.empty(2, device="meta")  # a non-CPU tensor that needs no accelerator
+    with count_host_reads() as reads:
+        for call in (lambda: device_tensor.to("cpu"), lambda: device_tensor.to(device=torch.device("cpu"))):
+            with pytest.raises(NotImplementedError):  # meta tensors hold no data to copy
+                call()
+        device_tensor.to(torch.float64)
+    assert reads.by_kind == {"to": 2}
+
+
+def test_count_host_reads_counts_a_read_once_and_nests():
+    x = torch.tensor([1.0, 2.0])
+    with count_host_reads() as outer:
+        np.asarray(x)  # __array__ reads through numpy(): one read
+        with count_host_reads() as inner:
+            x.tolist()
+        x.sum().item()
+    assert inner.by_kind == {"tolist": 1}
+    assert outer.by_kind == {"numpy": 1, "tolist": 1, "item": 1}
+
+
+def test_count_host_reads_restores_the_methods():
+    before = {name: getattr(torch.Tensor, name) for name in HOST_READ_METHODS}
+    own = {name for name in HOST_READ_METHODS if name in torch.Tensor.__dict__}
+    with pytest.raises(RuntimeError, match="boom"), count_host_reads():
+        assert torch.Tensor.item is not before["item"]
+        raise RuntimeError("boom")
+    assert {name: getattr(torch.Tensor, name) for name in HOST_READ_METHODS} == before
+    assert {name for name in HOST_READ_METHODS if name in torch.Tensor.__dict__} == own
+    with count_host_reads() as reads:
+        pass
+    torch.tensor(3).item()
+    assert reads.count == 0

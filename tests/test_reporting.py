@@ -13,12 +13,11 @@ from rich.console import Console
 
 from inkfw.errors import ConfigError
 from inkfw.reporting import (
-    bench_comparison_lines,
-    bench_markdown,
-    bench_plot,
-    bench_table,
     infer_table,
     output_file,
+    overhead_markdown,
+    overhead_plot,
+    overhead_table,
     print_requests,
     request_record,
     run_metrics,
@@ -66,6 +65,8 @@ def rendered(renderable, width: int = 400) -> str:
 
 def bench_row(drafter: str, batch: int, **over) -> dict:
     row = {
+        "prompt_set": "humaneval",
+        "name": f"eager {drafter}{' k=4' if drafter == 'mtp' else ''} b{batch}",
         "drafter": drafter,
         "batch_size": batch,
         "num_draft_tokens": 4 if drafter == "mtp" else 0,
@@ -91,7 +92,6 @@ def bench_row(drafter: str, batch: int, **over) -> dict:
         "mean_acceptance_length": 1.5,
         "draft_acceptance_rate": 0.125,
         "kv_bytes": 3 * 2**20,
-        "greedy_output_mismatches": 0,
     }
     row.update(over)
     return row
@@ -179,38 +179,28 @@ def test_print_requests_text_ids_and_rejections():
     assert "ids: [7, 8, 9]" in console.export_text()
 
 
-def test_bench_markdown_and_table_columns():
+def test_overhead_markdown_and_table_columns():
     rows = [bench_row("none", 1), bench_row("mtp", 1, overhead_ratio=1.3)]
-    md = bench_markdown(rows).strip().splitlines()
+    md = overhead_markdown(rows).strip().splitlines()
     assert len(md) == 4 and all(line.count("|") == md[0].count("|") for line in md)
-    assert md[2].startswith("| none (k=0) | 1 | 2.00 | 50.0 | 40 | 27.5 | 25.0 | **1.100** | 1.080-1.120 |")
+    assert md[2].startswith("| humaneval | eager none b1 | 2.00 | 50.0 | 40 | 27.5 | 25.0 | **1.100** | 1.080-1.120 |")
     assert "cache ms" not in md[0]
-    cached = bench_markdown([bench_row("none", 1, cache_in_forward_s=0.2, overhead_ratio_model_only=1.375)])
+    cached = overhead_markdown([bench_row("none", 1, cache_in_forward_s=0.2, overhead_ratio_model_only=1.375)])
     assert "model-only overhead" in cached and "| 5.00 | 1.375 |" in cached
-    table = bench_table(rows)
+    table = overhead_table(rows)
     assert len(table.columns) == 13 and table.row_count == 2
     text = rendered(table)
-    assert "mtp k=4 b=1" in text and "1.080-1.120" in text and "3.0" in text
-    assert "cProfile" in rendered(bench_table(rows, profiled=True))
+    assert "humaneval eager mtp k=4 b1" in text and "1.080-1.120" in text and "3.0" in text
+    assert "cProfile" in rendered(overhead_table(rows, profiled=True))
     assert (
-        len(bench_table([bench_row("none", 1, cache_in_forward_s=0.2, overhead_ratio_model_only=1.375)]).columns) == 15
+        len(overhead_table([bench_row("none", 1, cache_in_forward_s=0.2, overhead_ratio_model_only=1.375)]).columns)
+        == 15
     )
 
 
-def test_bench_comparison_lines():
-    rows = [
-        bench_row("none", 1, tokens_per_s=40.0),
-        bench_row("mtp", 1, tokens_per_s=10.0, greedy_output_mismatches=3),
-        bench_row("none", 4),
-    ]
-    lines = bench_comparison_lines(rows)
-    assert len(lines) == 1  # batch 4 has no mtp row
-    assert lines[0].startswith("batch 1: mtp/none tokens/s = 0.250") and lines[0].endswith(": 3")
-
-
-def test_bench_plot_writes_a_png(tmp_path):
-    path = tmp_path / "bench.png"
-    assert bench_plot([bench_row("none", 1), bench_row("mtp", 1)], path)
+def test_overhead_plot_writes_a_png(tmp_path):
+    path = tmp_path / "overhead.png"
+    assert overhead_plot([bench_row("none", 1), bench_row("mtp", 1)], path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

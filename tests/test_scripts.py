@@ -38,6 +38,9 @@ def run(script: str, *overrides: str, cwd: Path) -> subprocess.CompletedProcess:
             "bench.py",
             [
                 "model=inkling-debug",
+                "prompt_sets=[random]",
+                "hf=[]",
+                "modes=[eager]",
                 "batch_sizes=[1]",
                 "drafters=[none]",
                 "repeats=1",

@@ -1,35 +1,39 @@
-"""The engine benchmark run behind ``scripts/bench.py``: overhead, speed and cache memory.
+"""The benchmark behind ``scripts/bench.py``: inkfw against HF ``generate`` on one checkpoint.
 
-For every batch size and drafter it builds one engine (the serving factory,
-:func:`~inkfw.speculative.factory.build_engine`, around one shared random-init model), warms
-it up on other prompts, then decodes ``max_new_tokens`` tokens for ``batch_size`` random
-prompts, ``repeats`` times. The configurations run round-robin (repeat 1 of every
-configuration, then repeat 2, ...), so a noisy machine slows them alike and their ratios stay
-comparable.
+In one process, on one model (the shipped ``checkpoints/inkling-tiny`` by default), round-robin
+(:mod:`inkfw.bench.plan`):
 
-Per configuration it reports, summed over the repeats (timed by :mod:`inkfw.bench.timing`,
-rendered by :mod:`inkfw.reporting`):
+* HF transformers ``generate`` and ``generate(use_mtp=True)`` at batch 1
+  (:mod:`inkfw.bench.hf_baseline`);
+* the inkfw engine, plain (``drafter=none``) and drafting (``drafter=mtp``, k from ``num_tokens``:
+  integers and ``auto``), in each mode (``eager``, ``compiled``: ``engine.compile=true``,
+  ``graphs``: CUDA graphs) at each batch size,
 
-* wall time of ``Engine.generate`` and tokens/s (generated tokens / wall);
-* step time (``StepTimes.total_s``) and forward time (``StepTimes.forward_s``: time inside the
-  model forwards the engine ran: target prefill/verify, MTP depths, logits);
-* **overhead** = step time / forward time (the engine's own Python and tensor bookkeeping);
-* the step split draft / verify / bookkeeping, each also without its forwards;
-* mean acceptance length tau, and the KV pool's bytes (``kv.nbytes``).
+on each prompt set (:mod:`inkfw.bench.prompt_sets`: held-out stdlib prompts, HumanEval), greedy,
+the same ``max_new_tokens`` for all. Every engine is built once through the serving factory
+(:func:`~inkfw.speculative.factory.build_engine`, around the one shared model) and warmed up
+(:meth:`Engine.warmup` for its batch size, timed as ``warmup_s``, then a short unmeasured
+generate of one batch per prompt set); neither counts in tokens/s. A round decodes every prompt set with every run; the
+benchmark makes ``repeats`` rounds and sums them.
 
-Forward time includes the paged cache's reads and writes that the layers do inside a forward
-(``update_kv`` / ``conv_window``). ``cache_time=true`` times those apart
-(``cache_in_forward_s``) and reports ``overhead_ratio_model_only`` = step time / (forward time
-minus that), a stricter view of the engine's cost.
+Reported per run (``bench.json``; rendered by :mod:`inkfw.reporting`):
 
-The options are infer's (``model``, ``drafter``, ``verifier``, ``sampler``, ``kv``, ``engine``,
-``mtp.depths``, ``spec.num_tokens``, ...) plus the benchmark's own (``inkfw/conf/bench.yaml``).
-``drafters`` names the ``inkfw/conf/drafter`` options to compare; the one ``drafter=`` selects keeps
-its ``drafter.*`` overrides. ``engine.max_num_seqs`` and ``engine.max_model_len`` are set per
-configuration (the batch size; prompt + tokens + k + one block).
+* tokens/s = generated tokens / wall time of ``Engine.generate`` (HF: of the ``generate``
+  calls), and the speed-up over HF ``generate``, HF ``generate(use_mtp=True)`` and inkfw plain
+  decoding in the same mode at the same batch size;
+* mean acceptance length, per-position and conditional acceptance (docs/design.md §6);
+* predicted speed-up (:func:`inkfw.bench.timing.predicted_speedup`) and efficiency =
+  measured / predicted speed-up over plain decoding;
+* host reads per engine step (:func:`inkfw.profiling.count_host_reads` around the measured
+  ``generate``, prefill steps included), ``warmup_s``, the k chosen per step with ``auto``;
+* the engine's step split and overhead = step time / forward time (:mod:`inkfw.bench.timing`).
 
-Measuring only: nothing here changes what the engine computes. Speed and memory are measured
-here, never in timed tests.
+Once per model: top-level aten ops and eager wall time of a 1-token forward
+(:mod:`inkfw.profiling`, as ``scripts/count_ops.py`` counts them).
+
+Greedy outputs are checked token for token (:mod:`inkfw.bench.exactness`); a difference makes
+the command exit 1 after its files are written. Measuring only: nothing here changes what the
+engine computes.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ import cProfile
 import os
 import platform
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,54 +52,75 @@ import torch
 from omegaconf import OmegaConf, open_dict
 from rich.console import Console
 
-from inkfw.bench.timing import CacheTimer, CaseTiming, PhaseForwardTimer, ProfilerPause, profile_text
+from inkfw.bench.exactness import ExactnessCheck, differing_requests, unchecked_summary
+from inkfw.bench.hf_baseline import HfBaseline
+from inkfw.bench.plan import (
+    AUTO,
+    HF_SYSTEMS,
+    MODES,
+    BenchRun,
+    NumTokens,
+    choices,
+    num_tokens_list,
+    plan_runs,
+    positive_ints,
+)
+from inkfw.bench.prompt_sets import NAMED_SETS, batch_requests, load_prompt_set
+from inkfw.bench.timing import (
+    CacheTimer,
+    CaseTiming,
+    PhaseForwardTimer,
+    ProfilerPause,
+    predicted_speedup,
+    profile_text,
+)
 from inkfw.errors import ConfigError
 from inkfw.paths import config_dir
-from inkfw.presets import build_model, plain
+from inkfw.presets import build_model, model_config, parse_dtype, plain, resolve_device, resolve_path
+from inkfw.profiling import FORWARD_MODES, count_aten_ops, count_host_reads, one_token_forwards, wall_time
+from inkfw.prompts import is_int, seed_option
 from inkfw.reporting import (
-    OVERHEAD_TARGET,
-    bench_comparison_lines,
+    bench_acceptance_plot,
     bench_markdown,
     bench_plot,
     bench_table,
+    overhead_plot,
+    overhead_table,
     write_json_atomic,
     write_text_atomic,
 )
 from inkfw.speculative.engine import Engine, StepTimes
-from inkfw.speculative.factory import build_engine, drafter_kind, serving_config
+from inkfw.speculative.factory import build_engine, drafter_kind, load_tokenizer, serving_config
 from inkfw.speculative.metrics import SpecMetrics
 
 
-@dataclass
-class Case:
-    """One configuration: its engine, the observers timing it, and its summed runs."""
-
-    engine: Engine
-    forwards: PhaseForwardTimer
-    timing: CaseTiming
-    profiler: ProfilerPause | None = None
-
-    @property
-    def name(self) -> str:
-        return f"{self.timing.drafter}/b{self.timing.batch_size}"
-
-
 # ------------------------------------------------------------------------ options
-def _is_count(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+@dataclass
+class BenchOptions:
+    """The benchmark's own options (``inkfw/conf/bench.yaml``), validated."""
+
+    prompt_sets: list[str]
+    num_prompts: int | None
+    batch_sizes: list[int]
+    modes: list[str]
+    drafters: list[str]
+    num_tokens: list[NumTokens]
+    hf: list[str]
+    max_new_tokens: int
+    prompt_len: int
+    warmup_tokens: int
+    repeats: int
+    ignore_eos: bool
+    forward_ops: list[str]
+    forward_repeats: int
+
+    def runs(self) -> list[BenchRun]:
+        return plan_runs(self.drafters, self.num_tokens, self.modes, self.batch_sizes, self.hf)
 
 
-def _positive_ints(values: Any, what: str) -> list[int]:
-    values = plain(values)
-    out = list(values) if isinstance(values, (list, tuple)) else [values]
-    if not out or not all(_is_count(v) for v in out):
-        raise ConfigError(f"{what} must be a list of integers >= 1, got {values!r}.")
-    return out
-
-
-def _positive_int(value: Any, what: str) -> int:
-    if not _is_count(value):
-        raise ConfigError(f"{what} must be an integer >= 1, got {value!r}.")
+def _count(value: Any, what: str, minimum: int = 1) -> int:
+    if not is_int(value) or value < minimum:
+        raise ConfigError(f"{what} must be an integer >= {minimum}, got {value!r}.")
     return value
 
 
@@ -103,13 +129,85 @@ def drafter_options() -> list[str]:
     return sorted(p.stem for p in (config_dir() / "drafter").glob("*.yaml"))
 
 
-def _drafter_names(value: Any) -> list[str]:
-    value = plain(value)
-    names = list(value) if isinstance(value, (list, tuple)) else [value]
-    options = drafter_options()
-    if not names or any(d not in options for d in names):
-        raise ConfigError(f"drafters must be a list drawn from {', '.join(options)}, got {names!r}.")
-    return names
+def bench_options(cfg: Any) -> BenchOptions:
+    """Check the benchmark's options; a bad one raises :class:`ConfigError` (one sentence)."""
+    sets = plain(cfg.prompt_sets)
+    sets = list(sets) if isinstance(sets, (list, tuple)) else [sets]
+    if not sets or not all(isinstance(s, str) and s for s in sets):
+        raise ConfigError(
+            f"prompt_sets must be a non-empty list of prompt set names ({', '.join(NAMED_SETS)}) or .jsonl files, "
+            f"got {plain(cfg.prompt_sets)!r}."
+        )
+    num_prompts = cfg.num_prompts
+    if num_prompts is not None:
+        _count(num_prompts, "num_prompts (null: every prompt of a set)")
+    if cfg.spec.get("num_tokens") is not None:
+        raise ConfigError(
+            f"spec.num_tokens is set per run from num_tokens; give num_tokens=[{cfg.spec.num_tokens}] instead."
+        )
+    ignore_eos = cfg.ignore_eos
+    if not isinstance(ignore_eos, bool):
+        raise ConfigError(f"ignore_eos must be true or false, got {ignore_eos!r}.")
+    return BenchOptions(
+        prompt_sets=list(dict.fromkeys(sets)),
+        num_prompts=num_prompts,
+        batch_sizes=positive_ints(cfg.batch_sizes, "batch_sizes"),
+        modes=choices(cfg.modes, "modes", tuple(MODES)),
+        drafters=choices(cfg.drafters, "drafters", drafter_options()),
+        num_tokens=num_tokens_list(cfg.num_tokens),
+        hf=choices(cfg.hf, "hf", tuple(HF_SYSTEMS), allow_empty=True),
+        max_new_tokens=_count(cfg.max_new_tokens, "max_new_tokens"),
+        prompt_len=_count(cfg.prompt_len, "prompt_len"),
+        warmup_tokens=_count(cfg.warmup_tokens, "warmup_tokens", minimum=0),
+        repeats=_count(cfg.repeats, "repeats"),
+        ignore_eos=ignore_eos,
+        forward_ops=choices(cfg.forward_ops, "forward_ops", FORWARD_MODES, allow_empty=True),
+        forward_repeats=_count(cfg.forward_repeats, "forward_repeats"),
+    )
+
+
+def _greedy(cfg: Any) -> bool:
+    temperature = cfg.sampler.get("temperature", 0.0) if cfg.get("sampler") is not None else 0.0
+    return not temperature
+
+
+def _max_draft_tokens(opts: BenchOptions, cfg: Any, depths: int) -> int:
+    """The most draft tokens any planned run verifies per step (auto: spec.max_num_tokens, null: D)."""
+    if opts.drafters == ["none"]:
+        return 0
+    auto_max = cfg.spec.get("max_num_tokens")
+    return max(int(k) if k != AUTO else int(auto_max if auto_max is not None else depths) for k in opts.num_tokens)
+
+
+# ------------------------------------------------------------------------ engines
+@dataclass
+class Case:
+    """One inkfw engine (mode, drafter, k, batch size), its observers, and its measured runs per
+    prompt set."""
+
+    run: BenchRun
+    engine: Engine
+    forwards: PhaseForwardTimer
+    warmup_s: float
+    profile: bool = False  # cProfile the measured runs, one profiler per prompt set
+    timings: dict[str, CaseTiming] = field(default_factory=dict)
+    profilers: dict[str, ProfilerPause] = field(default_factory=dict)
+    chosen_k: dict[str, Counter[int]] = field(default_factory=dict)  # auto: k -> engine steps, per set
+
+    def timing(self, prompt_set: str) -> CaseTiming:
+        if prompt_set not in self.timings:
+            r = self.run
+            self.timings[prompt_set] = CaseTiming(r.drafter, r.batch_size, int(self.engine.drafter.num_tokens))
+        return self.timings[prompt_set]
+
+    def profiling(self, prompt_set: str) -> contextlib.AbstractContextManager:
+        """Profile the block's engine work (forwards excluded) into ``prompt_set``'s profiler."""
+        if not self.profile:
+            return contextlib.nullcontext()
+        if prompt_set not in self.profilers:
+            self.profilers[prompt_set] = ProfilerPause(cProfile.Profile())
+            self.engine.add_observer(self.profilers[prompt_set])  # pauses it inside forwards
+        return self.profilers[prompt_set].profiling()
 
 
 def _drafter_node(cfg: Any, name: str) -> Any:
@@ -119,132 +217,319 @@ def _drafter_node(cfg: Any, name: str) -> Any:
     return serving_config([f"drafter={name}"]).drafter
 
 
-def _case_config(cfg: Any, drafter: Any, batch_size: int, max_model_len: int) -> Any:
+def case_config(cfg: Any, run: BenchRun, max_model_len: int) -> Any:
+    """The serving config of ``run``'s engine: its drafter, k, mode and batch size."""
     case = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     with open_dict(case):
-        case.drafter = drafter
-        case.engine.max_num_seqs = batch_size
+        case.drafter = _drafter_node(cfg, run.drafter)
+        case.spec.num_tokens = None if run.drafter == "none" else run.num_tokens
+        case.engine.max_num_seqs = run.batch_size
         case.engine.max_model_len = max_model_len
+        for key, value in MODES[run.mode].items():
+            case.engine[key] = value
     return case
 
 
-# ------------------------------------------------------------------------ runs
-def _build_case(cfg: Any, model, drafter: str, batch_size: int, max_model_len: int) -> Case:
-    engine, _ = build_engine(_case_config(cfg, _drafter_node(cfg, drafter), batch_size, max_model_len), model=model)
-    if bool(cfg.ignore_eos):  # random weights: never stop early, every run decodes the same count
+def _build_case(cfg: Any, run: BenchRun, model, tokenizer, max_model_len: int, ignore_eos: bool) -> Case:
+    engine, _ = build_engine(case_config(cfg, run, max_model_len), model=model, tokenizer=tokenizer)
+    if ignore_eos:  # every request decodes max_new_tokens (HF: eos_token_id=[])
         engine.eos_ids = set()
     forwards = PhaseForwardTimer()
     engine.add_observer(forwards)
-    profiler = None
-    if bool(cfg.profile):
-        profiler = ProfilerPause(cProfile.Profile())
-        engine.add_observer(profiler)
-    timing = CaseTiming(drafter, batch_size, int(engine.drafter.num_tokens))
-    return Case(engine, forwards, timing, profiler)
+    warmup_s = engine.warmup([run.batch_size])  # compile / capture, step costs for auto
+    return Case(run, engine, forwards, warmup_s, profile=bool(cfg.profile))
 
 
-def _prompts(gen: torch.Generator, batch: int, length: int, vocab: int) -> list[list[int]]:
-    return torch.randint(3, vocab, (batch, length), generator=gen).tolist()
+def _generate(
+    engine: Engine, prompts: list[list[int]], max_new_tokens: int, what: str
+) -> tuple[float, list[list[int]]]:
+    params = engine.sampler.defaults  # inkfw/conf/sampler: greedy unless told otherwise
+    requests = [engine.add_request(p, params, max_new_tokens=max_new_tokens) for p in prompts]
+    start = time.perf_counter()
+    engine.generate(requests)
+    wall = time.perf_counter() - start
+    failed = [r for r in requests if r.finish_reason == "error"]
+    if failed:
+        raise ConfigError(f"{what}: request failed: {failed[0].error}")
+    return wall, [r.output_token_ids for r in requests]
 
 
-def _generate(case: Case, prompts: list[list[int]], max_new_tokens: int) -> tuple[float, list[list[int]]]:
-    eng = case.engine
-    params = eng.sampler.defaults  # inkfw/conf/sampler: greedy unless told otherwise
-    reqs = [eng.add_request(p, params, max_new_tokens=max_new_tokens) for p in prompts]
-    t0 = time.perf_counter()
-    eng.generate(reqs)
-    wall = time.perf_counter() - t0
-    bad = [r for r in reqs if r.finish_reason == "error"]
-    if bad:
-        raise ConfigError(f"{case.name}: request failed: {bad[0].error}")
-    return wall, [r.output_token_ids for r in reqs]
-
-
-def _measure(
-    case: Case, prompts: list[list[int]], max_new_tokens: int, cache_time: bool
-) -> tuple[float, float, list[list[int]]]:
-    """One measured run of ``case`` (its statistics start from zero and are added to its
-    timing): (wall seconds, overhead ratio, output token ids)."""
+def _measure(case: Case, prompt_set: str, prompts: list[list[int]], max_new_tokens: int, cache_time: bool):
+    """One measured run of ``case`` on ``prompts`` (statistics from zero, added to its timing of
+    ``prompt_set``): (wall seconds, output token ids)."""
     engine = case.engine
     engine.times, engine.metrics = StepTimes(), SpecMetrics()
     case.forwards.reset()
+    adaptive = engine.adaptive  # spec.num_tokens=auto
+    chosen_before = Counter(adaptive.chosen) if adaptive is not None else Counter()
     timer = CacheTimer()
     with (
+        count_host_reads() as reads,
         timer.attached(engine.kv) if cache_time else contextlib.nullcontext(),
-        case.profiler.profiling() if case.profiler is not None else contextlib.nullcontext(),
+        case.profiling(prompt_set),
     ):
-        wall, outs = _generate(case, prompts, max_new_tokens)
-    ratio = case.timing.add_run(
+        wall, outs = _generate(engine, prompts, max_new_tokens, f"{prompt_set} {case.run.name}")
+    case.timing(prompt_set).add_run(
         wall,
         sum(len(o) for o in outs),
         engine.times,
         engine.metrics,
         case.forwards,
         timer.seconds if cache_time else None,
+        reads.count,
     )
-    return wall, ratio, outs
+    if adaptive is not None:
+        chosen = case.chosen_k.setdefault(prompt_set, Counter())
+        chosen.update(Counter(adaptive.chosen) - chosen_before)
+    return wall, outs
 
 
+# ------------------------------------------------------------------------ rows
+@dataclass
+class HfTiming:
+    """One HF baseline's measured runs on one prompt set, summed."""
+
+    wall_s: float = 0.0
+    tokens: int = 0
+    num_requests: int = 0
+
+
+def _hf_row(run: BenchRun, prompt_set: str, timing: HfTiming) -> dict[str, Any]:
+    return {
+        "system": "hf",
+        "name": run.name,
+        "prompt_set": prompt_set,
+        "mode": run.mode,
+        "drafter": run.drafter,
+        "num_tokens": 0,
+        "batch_size": run.batch_size,
+        "wall_s": timing.wall_s,
+        "tokens": timing.tokens,
+        "num_requests": timing.num_requests,
+        "tokens_per_s": timing.tokens / timing.wall_s if timing.wall_s else 0.0,
+    }
+
+
+def _inkfw_row(case: Case, prompt_set: str) -> dict[str, Any]:
+    engine = case.engine
+    row = case.timing(prompt_set).result(engine.kv.nbytes)
+    chosen = case.chosen_k.get(prompt_set)
+    row.update(
+        {
+            "system": "inkfw",
+            "name": case.run.name,
+            "prompt_set": prompt_set,
+            "mode": case.run.mode,
+            "num_tokens": case.run.num_tokens,
+            "warmup_s": case.warmup_s,
+            "chosen_k": {str(k): n for k, n in sorted(chosen.items())} if chosen is not None else None,
+            "adaptive": engine.adaptive.summary() if engine.adaptive is not None else None,
+        }
+    )
+    row["adaptive_predicted_speedup"] = adaptive_predicted_speedup(row["adaptive"], case.run.batch_size)
+    return row
+
+
+def adaptive_predicted_speedup(summary: dict[str, Any] | None, batch_size: int) -> float | None:
+    """The speed-up over plain decoding that auto's own model expects at ``batch_size``
+    (:meth:`AdaptiveK.summary`, at the end of the benchmark): ``E(k*) * step_s[0] / step_s[k*]``
+    for its best k at the smallest bucket with measured costs that holds the batch. None
+    without such costs (or without auto)."""
+    if summary is None:
+        return None
+    buckets = sorted(int(b) for b in summary["costs"] if int(b) >= batch_size)
+    if not buckets:
+        return None
+    costs = summary["costs"][str(buckets[0])]
+    k = int(summary["best_k"][str(buckets[0])])
+    return summary["expected_tokens"][k] * costs[0] / costs[k]
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def add_speedups(rows: list[dict[str, Any]]) -> None:
+    """Per row, in place: tokens/s over HF ``generate`` and ``generate(use_mtp=True)`` of the same
+    prompt set (``speedup_vs_hf``, ``speedup_vs_hf_mtp``); for inkfw rows also over plain
+    decoding in the same mode and batch size (``speedup_vs_plain``), the speed-up acceptance
+    and step cost predict (``predicted_speedup``) and measured / predicted (``efficiency``).
+    A ratio without its baseline row is None."""
+    hf = {(r["prompt_set"], r["drafter"]): r["tokens_per_s"] for r in rows if r["system"] == "hf"}
+    plain_rows = {
+        (r["prompt_set"], r["mode"], r["batch_size"]): r
+        for r in rows
+        if r["system"] == "inkfw" and r["drafter"] == "none"
+    }
+    for r in rows:
+        r["speedup_vs_hf"] = _ratio(r["tokens_per_s"], hf.get((r["prompt_set"], "none")))
+        r["speedup_vs_hf_mtp"] = _ratio(r["tokens_per_s"], hf.get((r["prompt_set"], "mtp")))
+        if r["system"] != "inkfw":
+            continue
+        base = plain_rows.get((r["prompt_set"], r["mode"], r["batch_size"]))
+        r["speedup_vs_plain"] = _ratio(r["tokens_per_s"], base["tokens_per_s"]) if base else None
+        r["predicted_speedup"] = predicted_speedup(r, base) if base else None
+        r["efficiency"] = _ratio(r["speedup_vs_plain"], r["predicted_speedup"])
+
+
+def one_token_forward_report(model, modes: list[str], repeats: int, context: int = 32) -> dict[str, Any]:
+    """Top-level (and all) aten ops and median eager wall time of a 1-token forward of ``model``
+    per mode of :func:`inkfw.profiling.one_token_forwards` (what ``scripts/count_ops.py`` prints)."""
+    if not modes:
+        return {}
+    forwards = one_token_forwards(model, context=context)
+    out: dict[str, Any] = {"context": context, "threads": torch.get_num_threads()}
+    for mode in modes:
+        fn = forwards[mode]
+        out[mode] = {
+            "top_level_ops": count_aten_ops(fn),
+            "nested_ops": count_aten_ops(fn, nested=True),
+            "wall_ms": 1e3 * wall_time(fn, repeats=repeats),
+        }
+    return out
+
+
+@dataclass
+class Rounds:
+    """The measured runs, round by round: HF timings summed per (prompt set, run), inkfw timings
+    in each :class:`Case`, greedy outputs compared as they come."""
+
+    console: Console
+    cases: dict[tuple, Case]
+    hf: HfBaseline | None
+    check: ExactnessCheck | None  # None: sampling, outputs not compared
+    hf_timings: dict[tuple[str, str], HfTiming] = field(default_factory=dict)
+    hf_vs_inkfw: dict[str, dict[str, int]] = field(default_factory=dict)  # info: HF vs inkfw at batch 1
+
+    def measure(
+        self,
+        rep: int,
+        repeats: int,
+        set_name: str,
+        prompts: list[list[int]],
+        runs: list[BenchRun],
+        max_new_tokens: int,
+        cache_time: bool,
+    ) -> None:
+        """Repeat ``rep`` of every run on prompt set ``set_name``."""
+        hf_outputs: dict[str, list[list[int]]] = {}
+        for run in runs:
+            if run.system == "hf":
+                assert self.hf is not None
+                result = self.hf.generate(prompts, max_new_tokens, run.use_mtp)
+                timing = self.hf_timings.setdefault((set_name, run.name), HfTiming())
+                timing.wall_s += result.wall_s
+                timing.tokens += result.tokens
+                timing.num_requests += len(prompts)
+                hf_outputs[run.name] = result.outputs
+                wall, tokens = result.wall_s, result.tokens
+            else:
+                requests = batch_requests(prompts, run.batch_size)
+                wall, outs = _measure(self.cases[run.engine_key], set_name, requests, max_new_tokens, cache_time)
+                tokens = sum(len(o) for o in outs)
+                if self.check is not None:
+                    self.check.add(set_name, run.batch_size, rep, run.name, outs)
+            self.console.print(
+                f"  repeat {rep + 1}/{repeats} {set_name} {run.name}: {wall:.2f}s, "
+                f"{tokens / wall if wall else 0.0:.1f} tokens/s",
+                markup=False,
+                highlight=False,
+            )
+        reference = self.check.reference_outputs(set_name, 1, rep) if self.check is not None else None
+        for name, outs in hf_outputs.items():
+            if reference is not None and len(reference) == len(outs):
+                info = self.hf_vs_inkfw.setdefault(f"{set_name} {name}", {"requests": 0, "differ": 0})
+                info["requests"] += len(outs)
+                info["differ"] += len(differing_requests(outs, reference))
+
+
+# ------------------------------------------------------------------------ the run
 def run_bench(cfg: Any) -> dict[str, Any]:
+    """Run the benchmark of ``cfg`` (``inkfw/conf/bench.yaml``); returns what ``bench.json`` holds.
+    ``report["exactness"]["ok"]`` is False when greedy outputs differed (the script exits 1)."""
     console = Console()
     if not console.is_terminal:  # piped or logged: keep the table on one line per row
-        console = Console(width=200)
-    batch_sizes = _positive_ints(cfg.batch_sizes, "batch_sizes")
-    drafters = _drafter_names(cfg.drafters)
-    for name in ("prompt_len", "max_new_tokens", "repeats"):
-        _positive_int(cfg[name], name)
-    block_size = _positive_int(cfg.kv.block_size, "kv.block_size")
-    if not isinstance(cfg.warmup_tokens, int) or cfg.warmup_tokens < 0:
-        raise ConfigError(f"warmup_tokens must be an integer >= 0, got {cfg.warmup_tokens!r}.")
-    if cfg.spec.num_tokens is not None:
-        _positive_int(cfg.spec.num_tokens, "spec.num_tokens")
+        console = Console(width=220)
+    opts = bench_options(cfg)
+    runs = opts.runs()
+    seed = seed_option(cfg.seed)
+    block_size = _count(cfg.kv.block_size, "kv.block_size")
     if cfg.threads is not None:
-        torch.set_num_threads(_positive_int(cfg.threads, "threads"))
+        torch.set_num_threads(_count(cfg.threads, "threads (null: torch's default)"))
+    greedy = _greedy(cfg)
+    mcfg = model_config(cfg.model)
+    if opts.hf:
+        if not cfg.model.get("path"):
+            raise ConfigError(
+                f"the HF baselines load a checkpoint, but model preset {cfg.model.get('name')!r} has no path; "
+                f"give model=inkling model.path=DIR or hf=[]."
+            )
+        if not greedy:
+            raise ConfigError("the HF baselines decode greedily; set sampler.temperature=0 or hf=[].")
+        if "generate_mtp" in opts.hf and mcfg.mtp.num_nextn_predict_layers == 0:
+            raise ConfigError("hf=generate_mtp needs MTP depths, but the checkpoint ships none.")
+    device, dtype = resolve_device(cfg.device), parse_dtype(cfg.dtype)
 
+    tokenizer = load_tokenizer(cfg.model)
+    prompt_sets = {
+        name: load_prompt_set(name, tokenizer, opts.num_prompts, mcfg.logits_vocab_size, opts.prompt_len, seed)
+        for name in opts.prompt_sets
+    }
     model = build_model(
-        cfg.model, mtp_depths=cfg.mtp.depths, dtype=cfg.dtype, device=cfg.device, embed_source=cfg.mtp.embed_source
+        cfg.model, mtp_depths=cfg.mtp.depths, dtype=dtype, device=device, embed_source=cfg.mtp.embed_source
     )
-    mcfg = model.cfg
-    if "mtp" in drafters and model.num_mtp_depths == 0:
-        raise ConfigError(f"drafter mtp needs MTP depths; model preset {cfg.model.get('name')!r} built none.")
-    prompt_len, new = int(cfg.prompt_len), int(cfg.max_new_tokens)
-    k = model.num_mtp_depths if cfg.spec.num_tokens is None else int(cfg.spec.num_tokens)
-    max_model_len = prompt_len + max(new, int(cfg.warmup_tokens)) + k + block_size
+    if any(r.drafter == "mtp" for r in runs) and model.num_mtp_depths == 0:
+        raise ConfigError(f"drafter mtp needs MTP depths; model {cfg.model.get('name')!r} has none.")
+    longest = max(len(p) for prompts in prompt_sets.values() for p in prompts)
+    k_max = _max_draft_tokens(opts, cfg, model.num_mtp_depths)
+    max_model_len = longest + max(opts.max_new_tokens, opts.warmup_tokens) + k_max + block_size
     if max_model_len > mcfg.max_position_embeddings:
         raise ConfigError(
-            f"prompt_len + max_new_tokens ({prompt_len + new}) leaves no room below the model limit "
-            f"{mcfg.max_position_embeddings}."
+            f"the longest prompt ({longest} tokens) + max_new_tokens ({opts.max_new_tokens}) leaves no room below "
+            f"the model limit {mcfg.max_position_embeddings}."
         )
-    gen = torch.Generator().manual_seed(int(cfg.seed))
-    vocab = mcfg.logits_vocab_size
-
-    cases = [_build_case(cfg, model, d, b, max_model_len) for b in batch_sizes for d in drafters]
     console.print(
-        f"model {cfg.model.get('name')}: {mcfg.num_layers} layers, hidden {mcfg.hidden_size}, "
-        f"vocab {mcfg.vocab_size}, {model.num_mtp_depths} MTP depths; torch {torch.__version__}, "
-        f"{torch.get_num_threads()} thread(s), device {cfg.device}"
+        f"model {cfg.model.get('path') or cfg.model.get('name')}: {mcfg.num_layers} layers, hidden "
+        f"{mcfg.hidden_size}, {model.num_mtp_depths} MTP depths; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} thread(s), device {device}; prompt sets "
+        + ", ".join(f"{n} ({len(p)} prompts)" for n, p in prompt_sets.items()),
+        markup=False,
     )
-    if int(cfg.warmup_tokens) > 0:
-        for case in cases:
-            _generate(case, _prompts(gen, case.timing.batch_size, prompt_len, vocab), int(cfg.warmup_tokens))
-    mismatches: dict[int, int] = {b: 0 for b in batch_sizes}  # greedy: every drafter must emit the same tokens
-    for rep in range(int(cfg.repeats)):
-        prompts_for = {b: _prompts(gen, b, prompt_len, vocab) for b in batch_sizes}  # same prompts per drafter
-        outputs: dict[int, list[list[int]]] = {}
-        for case in cases:
-            b = case.timing.batch_size
-            wall, ratio, outs = _measure(case, prompts_for[b], new, bool(cfg.cache_time))
-            first = outputs.setdefault(b, outs)
-            mismatches[b] += sum(x != y for x, y in zip(first, outs))
-            console.print(f"  repeat {rep + 1}/{cfg.repeats} {case.name}: {wall:.2f}s, overhead {ratio:.3f}")
 
-    results = [c.timing.result(c.engine.kv.nbytes) for c in cases]
-    for r in results:
-        r["greedy_output_mismatches"] = mismatches[r["batch_size"]]
-    console.print(bench_table(results, bool(cfg.profile)))
-    for line in bench_comparison_lines(results):
-        console.print(line)
+    forward = one_token_forward_report(model, opts.forward_ops, opts.forward_repeats)
+    hf = (
+        HfBaseline(resolve_path(cfg.model.path), dtype, device, mcfg.eos_token_ids, opts.ignore_eos)
+        if opts.hf
+        else None
+    )
+    cases: dict[tuple, Case] = {}
+    for run in runs:  # first-call costs stay out of the measured runs: one short batch per prompt set
+        if run.system == "inkfw" and run.engine_key not in cases:
+            case = _build_case(cfg, run, model, tokenizer, max_model_len, opts.ignore_eos)
+            cases[run.engine_key] = case
+            for prompts in prompt_sets.values() if opts.warmup_tokens else []:
+                warm = batch_requests(prompts[: run.batch_size], run.batch_size)
+                _generate(case.engine, warm, opts.warmup_tokens, run.name)
+        elif run.system == "hf" and opts.warmup_tokens:
+            assert hf is not None
+            for prompts in prompt_sets.values():
+                hf.generate(prompts[:1], opts.warmup_tokens, run.use_mtp)
 
+    rounds = Rounds(console, cases, hf, ExactnessCheck() if greedy else None)
+    for rep in range(opts.repeats):
+        for set_name, prompts in prompt_sets.items():
+            rounds.measure(rep, opts.repeats, set_name, prompts, runs, opts.max_new_tokens, bool(cfg.cache_time))
+    check = rounds.check
+
+    rows: list[dict[str, Any]] = []
+    for set_name in prompt_sets:
+        for run in runs:
+            if run.system == "hf":
+                rows.append(_hf_row(run, set_name, rounds.hf_timings[(set_name, run.name)]))
+            else:
+                rows.append(_inkfw_row(cases[run.engine_key], set_name))
+    add_speedups(rows)
+    exactness = check.summary() if check is not None else unchecked_summary("sampling (temperature > 0)")
     report = {
         "config": OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg),
         "machine": {
@@ -254,35 +539,60 @@ def run_bench(cfg: Any) -> dict[str, Any]:
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
             "cpu_count": os.cpu_count(),
+            "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         },
         "model": {
-            "name": cfg.model.get("name"),
+            "name": cfg.model.get("path") or cfg.model.get("name"),
             "num_layers": mcfg.num_layers,
             "hidden_size": mcfg.hidden_size,
             "vocab_size": mcfg.vocab_size,
             "mtp_depths": model.num_mtp_depths,
         },
-        "overhead_target": OVERHEAD_TARGET,
-        "results": results,
+        "prompt_sets": {
+            n: {"num_prompts": len(p), "mean_prompt_tokens": sum(map(len, p)) / len(p)} for n, p in prompt_sets.items()
+        },
+        "max_new_tokens": opts.max_new_tokens,
+        "ignore_eos": opts.ignore_eos,
+        "repeats": opts.repeats,
+        "one_token_forward": forward,
+        "results": rows,
+        "exactness": exactness,
+        "hf_vs_inkfw_greedy": rounds.hf_vs_inkfw,
     }
+    console.print(bench_table(report))
+    if bool(cfg.profile) or bool(cfg.cache_time):
+        console.print(overhead_table([r for r in rows if r["system"] == "inkfw"], bool(cfg.profile)))
+    if check is not None and check.ok:
+        console.print(f"greedy exactness: {check.compared} runs equal their group's reference token for token")
+    for m in check.mismatches if check is not None else []:
+        console.print(f"[red]greedy outputs differ: {m.line()}[/red]")
     if cfg.output_dir:
         _write_outputs(console, cfg, Path(str(cfg.output_dir)), report, cases)
     return report
 
 
-def _write_outputs(console: Console, cfg: Any, out: Path, report: dict[str, Any], cases: list[Case]) -> None:
-    results = report["results"]
+def _write_outputs(console: Console, cfg: Any, out: Path, report: dict[str, Any], cases: dict[tuple, Case]) -> None:
     written = [
         write_json_atomic(out / "bench.json", report, "output_dir"),
-        write_text_atomic(out / "bench.md", bench_markdown(results), "output_dir"),
+        write_text_atomic(out / "bench.md", bench_markdown(report), "output_dir"),
     ]
-    if cfg.plot and bench_plot(results, out / "bench.png"):
-        written.append(out / "bench.png")
-    elif cfg.plot:
-        console.print("[yellow]matplotlib is not installed: no plot (pip install matplotlib)[/yellow]")
-    for case, result in zip(cases, results):
-        if case.profiler is not None:
-            path = out / f"profile-{case.name.replace('/', '-')}.txt"
-            write_text_atomic(path, profile_text(case.profiler.profiler, result, int(cfg.profile_lines)), "output_dir")
+    if cfg.plot:
+        inkfw_rows = [r for r in report["results"] if r["system"] == "inkfw"]
+        plots = [
+            (bench_plot, report, out / "bench.png"),
+            (bench_acceptance_plot, report, out / "acceptance.png"),
+            (overhead_plot, inkfw_rows, out / "overhead.png"),
+        ]
+        for plot, data, path in plots:
+            if not plot(data, path):
+                console.print("[yellow]matplotlib is not installed: no plots (pip install matplotlib)[/yellow]")
+                break
             written.append(path)
-    console.print("wrote " + ", ".join(str(p) for p in written))
+    rows = {(r["prompt_set"], r["name"]): r for r in report["results"]}
+    for case in cases.values():
+        for set_name, profiler in case.profilers.items():
+            path = out / f"profile-{set_name}-{case.run.name.replace(' ', '-')}.txt"
+            text = profile_text(profiler.profiler, rows[(set_name, case.run.name)], int(cfg.profile_lines))
+            written.append(write_text_atomic(path, text, "output_dir"))
+    console.print("wrote " + ", ".join(str(p) for p in written), markup=False, highlight=False)

@@ -10,7 +10,9 @@ changes what it computes (docs/design.md §6 defines the timings):
   the profile holds only the engine's own work;
 * :class:`CacheTimer` is :attr:`~inkfw.cache.paged.PagedKVManager.cache_timer`'s hook: the
   seconds of the paged cache's reads and writes inside forwards;
-* :class:`CaseTiming` adds up the measured runs of one configuration and gives its result row.
+* :class:`CaseTiming` adds up the measured runs of one configuration and gives its result row;
+* :func:`predicted_speedup`: the speed-up a run's acceptance and step cost promise over plain
+  decoding, to set against the measured one.
 """
 
 from __future__ import annotations
@@ -119,6 +121,7 @@ class CaseTiming:
     target_forward_s: float = 0.0
     overhead_ratios: list[float] = field(default_factory=list)  # one per repeat
     cache_s: float | None = None  # cache work inside forwards (cache_time=true)
+    host_reads: int = 0  # device->host reads during the measured runs (inkfw.profiling.count_host_reads)
 
     def add_run(
         self,
@@ -128,9 +131,11 @@ class CaseTiming:
         metrics: SpecMetrics,
         forwards: PhaseForwardTimer,
         cache_s: float | None = None,
+        host_reads: int = 0,
     ) -> float:
         """Add one measured run; returns its overhead ratio (step time / forward time)."""
         self.wall_s += wall_s
+        self.host_reads += host_reads
         self.tokens += tokens
         self.times = add_step_times(self.times, times)
         self.metrics.merge(metrics)
@@ -174,9 +179,34 @@ class CaseTiming:
                 else None
             ),
             "mean_acceptance_length": m.mean_acceptance_length,
+            "acceptance_per_position": m.per_position_acceptance,
+            "conditional_acceptance": m.conditional_acceptance,
             "draft_acceptance_rate": m.draft_acceptance_rate,
+            "host_reads": self.host_reads,
+            "host_reads_per_step": self.host_reads / t.num_steps if t.num_steps else 0.0,
             "kv_bytes": kv_bytes,
         }
+
+
+def step_cost_s(row: dict[str, Any]) -> float | None:
+    """Seconds of the draft and verify phases per engine step of a result row (prefill chunks
+    included, bookkeeping not); None without steps."""
+    steps = row["num_steps"]
+    return (row["draft_s"] + row["verify_s"]) / steps if steps else None
+
+
+def predicted_speedup(row: dict[str, Any], plain_row: dict[str, Any]) -> float | None:
+    """The speed-up over plain decoding that ``row``'s acceptance and step cost promise:
+    ``tau * c_plain / c_run``, where ``tau`` is the run's mean acceptance length (tokens per
+    request per engine step; plain decoding: 1) and ``c`` the draft + verify seconds per engine
+    step (:func:`step_cost_s`) of this run and of ``plain_row``, plain decoding in the same mode
+    at the same batch size. Measured speed-up / predicted (the *efficiency*) falls below 1 by
+    what the model leaves out: bookkeeping and scheduling outside the two phases, and steps at
+    the end of a run with fewer requests in flight. None when either row has no steps."""
+    cost, plain_cost = step_cost_s(row), step_cost_s(plain_row)
+    if not cost or not plain_cost:
+        return None
+    return row["mean_acceptance_length"] * plain_cost / cost
 
 
 def profile_text(prof: cProfile.Profile, result: dict[str, Any], limit: int) -> str:
@@ -206,7 +236,7 @@ def profile_text(prof: cProfile.Profile, result: dict[str, Any], limit: int) -> 
 
     out = io.StringIO()
     out.write(
-        f"{result['drafter']} b={result['batch_size']} (profiler on): step {result['step_s']:.3f}s, forwards "
+        f"{result['name']} on {result['prompt_set']} (profiler on): step {result['step_s']:.3f}s, forwards "
         f"{result['forward_s']:.3f}s, overhead {result['overhead_ratio']:.3f}, non-forward {non_fwd:.3f}s; "
         f"profiled non-forward time {profiled:.3f}s\n\n"
     )

@@ -102,75 +102,73 @@ class CacheGroup:
     pool: BlockPool
     slot_pos: torch.Tensor  # [(num_blocks + 1) * block_size] position each slot holds, or EMPTY
     draft: bool  # written by drafter spans (else by target forwards)
+    block_size: int
 
     @property
     def scratch_slot(self) -> int:
-        return self.pool.num_blocks * (self.slot_pos.numel() // (self.pool.num_blocks + 1))
+        return self.pool.num_blocks * self.block_size
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self.layers for t in layer)
 
 
-class GroupView:
-    """Where one forward's tokens go in one group, and what they may read.
+def slots_of(
+    group: CacheGroup, table: torch.Tensor, base: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots [N] of ``positions`` [B, ...] through ``table`` [B, W] from logical block ``base`` [B],
+    the scratch slot where not ``valid`` or unmapped; ok [B, ...]: the token has a real slot)."""
+    bs, W = group.block_size, table.shape[1]
+    column = positions.div(bs, rounding_mode="floor") - base.view(-1, *([1] * (positions.dim() - 1)))
+    inside = (column >= 0) & (column < W)
+    phys = table.gather(1, column.clamp(0, W - 1).reshape(column.shape[0], -1)).view(column.shape)
+    ok = valid & inside & (phys >= 0)
+    slots = torch.where(ok, phys * bs + positions.remainder(bs), group.scratch_slot)
+    return slots.reshape(-1), ok
 
-    Built once per forward and group, shared by all layers of the group. The slot positions
-    are written here (before the layers write the data); nothing reads in between.
+
+class StepView:
+    """Where one forward's tokens go in one group, and what they may read, from tensors alone.
+
+    ``table`` [B, W] holds the physical blocks of logical blocks ``base .. base + W - 1`` of each
+    row (-1: none; ``base`` [B]); the host builds both (:meth:`PagedKVManager.step_tables`), so
+    building a view reads nothing back from the device and has the same shapes step after step
+    (compile and CUDA-graph friendly). The slot position tags are written here, before the
+    layers write the data; padding tokens (``valid`` False) write the scratch slot, tagged empty.
+    Shared by all layers of the group in one forward.
     """
 
     def __init__(
-        self, group: CacheGroup, tables: list[list[int]], positions: torch.Tensor, valid: torch.Tensor, block_size: int
+        self, group: CacheGroup, table: torch.Tensor, base: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor
     ):
-        device = positions.device
-        self.group, self.bs, self.positions, self.valid = group, block_size, positions, valid
-        width = max(1, max(len(t) for t in tables))
-        self.table = torch.tensor(
-            [t + [-1] * (width - len(t)) for t in tables], dtype=torch.long, device=device
-        )  # [B, nb]
-
-        blk = positions // block_size  # [B, T]
-        phys = self.table.gather(1, blk.clamp(0, width - 1))  # [B, T]
-        ok = valid & (blk < width) & (phys >= 0)
-        if bool((valid & ~ok).any()):
-            raise RuntimeError(f"cache group {group.name}: a token has no block (engine did not allocate)")
-        self.write_slots = torch.where(ok, phys * block_size + positions % block_size, group.scratch_slot).reshape(
-            -1
-        )  # [B*T]
-        group.slot_pos[self.write_slots[ok.reshape(-1)]] = positions[ok]
+        self.group, self.table, self.base, self.positions = group, table, base, positions
+        self.write_slots, ok = slots_of(group, table, base, positions, valid)  # [B*T], [B, T]
+        group.slot_pos.index_copy_(0, self.write_slots, torch.where(ok, positions, EMPTY_POSITION).reshape(-1))
         self._keys: tuple[torch.Tensor, torch.Tensor] | None = None
         self._windows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def keys(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(key_slots [B, S], key_positions [B, S]) of the blocks any query here can see."""
+        """(key_slots [B, S = W * block_size], key_positions [B, S]) of the blocks in the table; a
+        slot is readable only while it holds the position its place in the table stands for."""
         if self._keys is None:
-            bs, group, valid, positions = self.bs, self.group, self.valid, self.positions
-            device, B, width = positions.device, positions.shape[0], self.table.shape[1]
-            any_valid = bool(valid.any())
-            lo = 0
-            if group.window is not None and any_valid:
-                lo = max(0, int(positions[valid].min()) - group.window + 1) // bs
-            hi = int(positions[valid].max()) // bs + 1 if any_valid else 1
-            hi = max(lo + 1, min(hi, width))
-            key_table = self.table[:, lo:hi]  # [B, nk]
-            offsets = torch.arange(bs, device=device)
-            logical = ((torch.arange(lo, hi, device=device) * bs)[:, None] + offsets).reshape(-1)  # [S]
-            slots = (key_table[:, :, None] * bs + offsets).reshape(B, -1)  # [B, S]
-            present = (key_table >= 0)[:, :, None].expand(-1, -1, bs).reshape(B, -1)
-            key_slots = torch.where(present, slots, group.scratch_slot)  # [B, S]
-            held = group.slot_pos[key_slots]  # [B, S]
-            self._keys = key_slots, torch.where(held == logical, logical, EMPTY_POSITION)
+            group, table, base = self.group, self.table, self.base
+            bs, (B, W) = group.block_size, table.shape
+            offsets = torch.arange(bs, device=table.device)
+            columns = base[:, None] + torch.arange(W, device=table.device)  # [B, W] logical blocks
+            logical = (columns[:, :, None] * bs + offsets).reshape(B, -1)  # [B, S]
+            slots = (table[:, :, None] * bs + offsets).reshape(B, -1)
+            key_slots = torch.where(slots >= 0, slots, group.scratch_slot)  # [B, S]
+            self._keys = key_slots, torch.where(group.slot_pos[key_slots] == logical, logical, EMPTY_POSITION)
         return self._keys
 
     def conv_window(self, kernel_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots [B, T, K], ok [B, T, K]) for positions p-K+1 .. p of every token."""
         if kernel_size not in self._windows:
-            want = self.positions[:, :, None] + torch.arange(-(kernel_size - 1), 1, device=self.positions.device)
-            blk = want.clamp(min=0) // self.bs  # [B, T, K]
-            width, B = self.table.shape[1], want.shape[0]
-            phys = self.table.gather(1, blk.clamp(max=width - 1).reshape(B, -1)).reshape(want.shape)
-            slots = torch.where(phys >= 0, phys * self.bs + want.clamp(min=0) % self.bs, self.group.scratch_slot)
-            ok = (want >= 0) & (blk < width) & (phys >= 0) & (self.group.slot_pos[slots] == want)
+            offsets = torch.arange(-(kernel_size - 1), 1, device=self.positions.device)
+            want = self.positions[:, :, None] + offsets  # [B, T, K]
+            slots, ok = slots_of(self.group, self.table, self.base, want.clamp(min=0), want >= 0)
+            slots = slots.view(want.shape)
+            ok = ok & (self.group.slot_pos[slots] == want)
             self._windows[kernel_size] = (slots, ok)
         return self._windows[kernel_size]
 
@@ -179,7 +177,7 @@ class PagedLayerCache:
     """:class:`~inkfw.cache.interface.LayerCache` of one layer: its KV in one group's view, its
     conv inputs in another's."""
 
-    def __init__(self, kv_view: GroupView, kv: list[torch.Tensor], conv_view: GroupView, conv: list[torch.Tensor]):
+    def __init__(self, kv_view: StepView, kv: list[torch.Tensor], conv_view: StepView, conv: list[torch.Tensor]):
         self.kv_view, self.kv, self.conv_view, self.conv = kv_view, kv, conv_view, conv
 
     def update_kv(self, k, v, positions):
@@ -296,7 +294,7 @@ class PagedKVManager:
             slots = (blocks + 1) * bs  # + the scratch block
             layers = [[torch.zeros(slots, *s, dtype=dtype, device=device) for s in layer] for layer in shapes]
             slot_pos = torch.full((slots,), EMPTY_POSITION, dtype=torch.long, device=device)
-            self.groups.append(CacheGroup(name, window, layers, BlockPool(blocks), slot_pos, draft))
+            self.groups.append(CacheGroup(name, window, layers, BlockPool(blocks), slot_pos, draft, bs))
             return len(self.groups) - 1
 
         def kv_shape(block) -> list[tuple[int, ...]]:
@@ -447,34 +445,105 @@ class PagedKVManager:
                     table[j] = -1
 
     # ----------------------------------------------------------------- views
-    def _view(
-        self, group_index: int, rids: Sequence[Hashable], positions: torch.Tensor, valid: torch.Tensor
-    ) -> GroupView:
-        tables = [self._tables[r][group_index] for r in rids]
-        return GroupView(self.groups[group_index], tables, positions, valid, self.block_size)
+    # A forward's cache views come in two halves: the host builds block tables from what it
+    # knows (step_tables: no device reads), and the forward turns them into views (caches_from:
+    # tensor ops only, so it can be compiled or captured in a CUDA graph).
 
-    def target_caches(
-        self, rids: Sequence[Hashable], positions: torch.Tensor, valid: torch.Tensor
+    def group_indices(self, draft_depth: int | None = None) -> list[int]:
+        """Cache groups a target forward (``draft_depth`` None) or MTP depth ``draft_depth`` uses."""
+        if draft_depth is not None:
+            return list(self.draft_layout[draft_depth])
+        return sorted({g for kv, conv, _ in self.target_layout for g in (kv, conv)})
+
+    def table_rows(
+        self, group_index: int, rids: Sequence[Hashable | None], first: Sequence[int], end: Sequence[int]
+    ) -> tuple[list[list[int]], list[int]]:
+        """(block rows, base) of one group for a forward whose row b queries positions ``first[b]
+        .. end[b] - 1``: the blocks those queries may read and write, from logical block ``base[b]``
+        on (a windowed group starts at the window of ``first[b]``). A None rid is a padding row."""
+        g, bs = self.groups[group_index], self.block_size
+        rows, bases = [], []
+        for rid, f, e in zip(rids, first, end):
+            if rid is None:
+                rows.append([])
+                bases.append(0)
+                continue
+            table = self._tables[rid][group_index]
+            lo = self._needed_from(g, f) // bs
+            hi = min(len(table), _cdiv(e, bs))
+            if _cdiv(e, bs) > len(table):
+                raise RuntimeError(f"cache group {g.name}: request {rid} has no block for position {e - 1}")
+            rows.append(table[lo:hi])
+            bases.append(lo)
+        return rows, bases
+
+    def step_tables(
+        self,
+        groups: Sequence[int],
+        rids: Sequence[Hashable | None],
+        first: Sequence[int],
+        end: Sequence[int],
+        width: Callable[[int], int] = lambda n: n,
+        stage: Callable[[str, list], torch.Tensor] | None = None,
+    ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """{group: (table [B, W] long, base [B] long)} for ``groups`` (see :meth:`table_rows`).
+        ``width`` maps the widest row's block count to the table width W (a bucket: static
+        shapes); ``stage(name, values)`` puts host values in a tensor on the device (the
+        engine's persistent step buffers; default: a new tensor)."""
+        stage = stage or (lambda name, values: torch.tensor(values, dtype=torch.long, device=self.device))
+        out = {}
+        for gi in groups:
+            rows, bases = self.table_rows(gi, rids, first, end)
+            W = max(1, width(max(len(r) for r in rows)))
+            table = stage(f"table{gi}", [r + [-1] * (W - len(r)) for r in rows])
+            out[gi] = (table, stage(f"base{gi}", bases))
+        return out
+
+    def caches_from(
+        self,
+        tables: dict[int, tuple[torch.Tensor, torch.Tensor]],
+        positions: torch.Tensor,
+        valid: torch.Tensor,
+        draft_depth: int | None = None,
     ) -> list[PagedLayerCache]:
-        """One cache per target layer for a forward of ``positions`` [B, T] (``valid`` [B, T]:
-        padding tokens are False and write to the scratch block)."""
-        used = {g for kv, conv, _ in self.target_layout for g in (kv, conv)}
-        views = {g: self._view(g, rids, positions, valid) for g in sorted(used)}
+        """The layer caches of a forward of ``positions`` [B, T] (``valid`` [B, T]: padding is
+        False and writes the scratch block) from :meth:`step_tables`: one per target layer, or
+        the one layer of MTP depth ``draft_depth``. Tensor ops only."""
+        views = {
+            gi: StepView(self.groups[gi], table, base, positions, valid) for gi, (table, base) in tables.items()
+        }
+        if draft_depth is not None:
+            kv, conv = self.draft_layout[draft_depth]
+            return [self._layer_cache(views[kv], self.groups[kv].layers[0], views[conv], self.groups[conv].layers[0])]
         return [
             self._layer_cache(views[kv], self.groups[kv].layers[j], views[conv], self.groups[conv].layers[j])
             for kv, conv, j in self.target_layout
         ]
 
+    def forget_from(
+        self, tables: dict[int, tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor, valid: torch.Tensor
+    ) -> None:
+        """Mark ``positions`` [B, T] (where ``valid``) as holding nothing in the groups of ``tables``
+        (decode-step gaps of the drafter, docs/design.md §2). Tensor ops only."""
+        for gi, (table, base) in tables.items():
+            slots, _ = slots_of(self.groups[gi], table, base, positions, valid)
+            self.groups[gi].slot_pos.index_fill_(0, slots, EMPTY_POSITION)
+
+    # convenience forms that read the positions back (tests, profiling; not the engine's path)
+    def target_caches(
+        self, rids: Sequence[Hashable], positions: torch.Tensor, valid: torch.Tensor
+    ) -> list[PagedLayerCache]:
+        """One cache per target layer for a forward of ``positions`` [B, T] (``valid`` [B, T]:
+        padding tokens are False and write to the scratch block)."""
+        first, end = _spans(positions, valid)
+        return self.caches_from(self.step_tables(self.group_indices(), rids, first, end), positions, valid)
+
     def draft_cache(
         self, depth: int, rids: Sequence[Hashable], positions: torch.Tensor, valid: torch.Tensor
     ) -> PagedLayerCache:
-        kv, conv = self.draft_layout[depth]
-        return self._layer_cache(
-            self._view(kv, rids, positions, valid),
-            self.groups[kv].layers[0],
-            self._view(conv, rids, positions, valid),
-            self.groups[conv].layers[0],
-        )
+        first, end = _spans(positions, valid)
+        tables = self.step_tables(self.group_indices(depth), rids, first, end)
+        return self.caches_from(tables, positions, valid, draft_depth=depth)[0]
 
     def _layer_cache(self, *args) -> PagedLayerCache:
         timer = self.cache_timer
@@ -490,3 +559,12 @@ class PagedKVManager:
                 j = p // bs
                 if j < len(table) and table[j] >= 0:
                     g.slot_pos[table[j] * bs + p % bs] = EMPTY_POSITION
+
+
+def _spans(positions: torch.Tensor, valid: torch.Tensor) -> tuple[list[int], list[int]]:
+    """(first, end) query positions of each row of ``positions`` [B, T] (host reads)."""
+    big = torch.iinfo(torch.long).max
+    first = torch.where(valid, positions, big).min(dim=1).values
+    end = torch.where(valid, positions + 1, 0).max(dim=1).values
+    first = torch.where(first == big, 0, first)
+    return first.tolist(), end.tolist()

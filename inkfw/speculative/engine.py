@@ -18,6 +18,7 @@ Build engines with :func:`~inkfw.speculative.factory.build_engine`; watch them w
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 import time
@@ -30,12 +31,14 @@ import torch
 import torch.nn.functional as F
 
 from inkfw.errors import ConfigError
+from inkfw.speculative.adaptive import AdaptiveK
 from inkfw.speculative.interfaces import (
     Drafter,
     Drafts,
     DraftSpan,
     FinishReason,
     KVManager,
+    RequestLike,
     RequestStatus,
     TargetModel,
     TokenSampler,
@@ -45,6 +48,9 @@ from inkfw.speculative.metrics import SpecMetrics
 from inkfw.speculative.observers import EngineObserver, ForwardClock
 from inkfw.speculative.reference import reference_draft_logits
 from inkfw.speculative.sampling import Sampler, SamplingParams
+from inkfw.speculative.step import DEFAULT_BUCKETS, bucket_for
+
+LAG_LIMIT = 32  # positions a request's drafter may fall behind while adaptive k chooses 0
 
 
 class DraftCheckError(RuntimeError):
@@ -65,6 +71,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     check_drafts: bool = False  # recompute every draft with the uncached reference
     check_drafts_atol: float = 1e-3  # logits tolerance of that check
+    compile: bool = False  # torch.compile the verify step and the drafting round
+    cuda_graphs: bool | None = None  # capture them as CUDA graphs per shape (None: on when on CUDA)
+    batch_buckets: tuple[int, ...] = DEFAULT_BUCKETS  # decode batches run padded to these sizes
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` (one sentence) naming the first field out of range."""
@@ -78,8 +87,17 @@ class EngineConfig:
                 f"engine.max_model_len must be null or an integer >= 2 (null: the model's "
                 f"max_position_embeddings), got {m!r}."
             )
-        if not isinstance(self.check_drafts, bool):
-            raise ConfigError(f"engine.check_drafts must be true or false, got {self.check_drafts!r}.")
+        for name in ("check_drafts", "compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"engine.{name} must be true or false, got {getattr(self, name)!r}.")
+        if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
+            raise ConfigError(f"engine.cuda_graphs must be null, true or false, got {self.cuda_graphs!r}.")
+        buckets = self.batch_buckets
+        if isinstance(buckets, (list, tuple)) or hasattr(buckets, "__iter__") and not isinstance(buckets, str):
+            buckets = tuple(buckets)
+        if not buckets or not all(_is_int(b) and b >= 1 for b in buckets):
+            raise ConfigError(f"engine.batch_buckets must be a list of integers >= 1, got {self.batch_buckets!r}.")
+        self.batch_buckets = tuple(sorted(set(buckets)))
         atol = self.check_drafts_atol
         if not (isinstance(atol, (int, float)) and not isinstance(atol, bool) and math.isfinite(atol) and atol >= 0):
             raise ConfigError(f"engine.check_drafts_atol must be a finite number >= 0, got {atol!r}.")
@@ -97,7 +115,11 @@ class Request:
     token_ids: list[int] = field(default_factory=list)  # committed: prompt + output
     generator: torch.Generator | None = None
     num_computed: int = 0  # leading positions with final target state
-    pending: Drafts | None = None  # drafts for the next verify step (one row)
+    slot: int | None = None  # fixed row in the engine's per-request device buffers while running
+    num_pending: int = 0  # drafts waiting in the slot's buffer for the next verify step
+    pending_width: int = 0  # k of the round that drafted them (the verify width)
+    lag: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # (hidden rows, count) not drafted over
+    lag_start: int | None = None  # first position of the lag (adaptive k chose 0 for those steps)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -145,8 +167,10 @@ class Engine:
         sampler: TokenSampler | None = None,
         config: EngineConfig | None = None,
         tokenizer=None,
+        adaptive: AdaptiveK | None = None,
     ):
         self.model, self.drafter, self.verifier, self.kv = model, drafter, verifier, kv
+        self.adaptive = adaptive  # spec.num_tokens=auto: k chosen per step and batch bucket
         self.sampler = sampler or Sampler()
         self.config = config or EngineConfig()
         self.config.validate()
@@ -168,6 +192,23 @@ class Engine:
         self._ids = itertools.count()
         self._failed: list[Request] = []
         self._preempted_this_step = False
+        # per-request device state lives in fixed slots (+ one scratch row for padding)
+        slots = self.config.max_num_seqs
+        self._free_slots = list(range(slots))
+        self._draft_tokens = torch.zeros(slots + 1, max(1, drafter.num_tokens), dtype=torch.long, device=self.device)
+        self._draft_probs: torch.Tensor | None = None  # [slots + 1, k, V], once a request samples
+        if hasattr(drafter, "reserve"):
+            drafter.reserve(slots)  # type: ignore[attr-defined]
+        cuda = self.device.type == "cuda"
+        graphs = self.config.cuda_graphs if self.config.cuda_graphs is not None else cuda
+        if graphs and not cuda:
+            raise ConfigError("engine.cuda_graphs=true needs the model on a CUDA device.")
+        for part in (verifier, drafter):
+            if hasattr(part, "set_step_mode"):
+                part.set_step_mode(compile=self.config.compile, cuda_graphs=graphs)  # type: ignore[attr-defined]
+        self.warmup_s = 0.0  # compile / capture / cost measurement (Engine.warmup), not in tokens/s
+        self._forced_k: int | None = None  # warm-up: every round drafts this many
+        self.k_chosen: collections.Counter[int] = collections.Counter()  # k of each drafting round
 
     # ------------------------------------------------------------------ observers
     def add_observer(self, observer: EngineObserver) -> None:
@@ -222,7 +263,6 @@ class Engine:
         if request in self.waiting:
             self.waiting.remove(request)
         self._release(request)
-        request.pending = None
         self._finish(request, FinishReason.ABORT)
 
     def has_unfinished(self) -> bool:
@@ -239,9 +279,58 @@ class Engine:
                 produced = now
         return list(requests)
 
+    # -------------------------------------------------------------------- warm-up
+    @torch.no_grad()
+    def warmup(self, batch_sizes: Sequence[int] | None = None, timed_steps: int = 3) -> float:
+        """Compile (``engine.compile``) or capture (``engine.cuda_graphs``) the step functions for
+        the batch buckets of ``batch_sizes`` (default: 1), and with adaptive k measure the cost
+        of one decode step at every k = 0 .. k_max per bucket (the median of ``timed_steps``
+        steps after two untimed ones). Runs throwaway requests of random tokens and leaves the
+        engine as it was: no requests, metrics and timings untouched. Returns the seconds
+        spent, also added to :attr:`warmup_s`, which tokens/s figures leave out."""
+        if self.has_unfinished():
+            raise RuntimeError("Engine.warmup needs an idle engine (no waiting or running requests).")
+        t0 = time.perf_counter()
+        saved = self.metrics, self.times, self.k_chosen, self.eos_ids
+        self.eos_ids = set()  # run every throwaway request to its length
+        self.metrics, self.times, self.k_chosen = SpecMetrics(), StepTimes(), collections.Counter()
+        gen = torch.Generator().manual_seed(0)
+        try:
+            k_max = self.drafter.num_tokens
+            ks = range(k_max + 1) if self.adaptive is not None else [k_max]
+            for bucket in sorted({bucket_for(b, self.config.batch_buckets) for b in (batch_sizes or [1])}):
+                rows = min(bucket, self.config.max_num_seqs)
+                costs = []
+                for k in ks:
+                    self._forced_k = k
+                    prompts = torch.randint(3, self.vocab_size, (rows, 8), generator=gen).tolist()
+                    length = min((2 + timed_steps) * (k + 1) + 2, self.max_model_len - 9)
+                    requests = [self.add_request(p, max_new_tokens=length) for p in prompts]
+                    seconds = []
+                    while any(not r.finished for r in requests) and len(seconds) < 3 + timed_steps:
+                        t = time.perf_counter()
+                        self.step()
+                        seconds.append(time.perf_counter() - t)  # [prefill, compile, compile, timed ...]
+                    for r in requests:
+                        self.abort(r)
+                    timed = sorted(seconds[3:]) or sorted(seconds)
+                    costs.append(timed[len(timed) // 2])
+                if self.adaptive is not None:
+                    self.adaptive.set_costs(bucket, costs)
+        finally:
+            self._forced_k = None
+            self.metrics, self.times, self.k_chosen, self.eos_ids = saved
+        seconds = time.perf_counter() - t0
+        self.warmup_s += seconds
+        return seconds
+
     # ---------------------------------------------------------------------- step
     def step(self) -> list[Request]:
-        """One engine step; returns the requests that finished in it."""
+        """One engine step; returns the requests that finished in it.
+
+        A step of decoding requests reads one tensor back to the host: the accepted counts,
+        next tokens and drafts, to commit tokens, check stops and schedule (docs/design.md §5).
+        """
         t0 = time.perf_counter()
         fwd0 = self.clock.seconds
         self._failed: list[Request] = []
@@ -254,34 +343,37 @@ class Engine:
             for (r, c0, c1), hidden in zip(prefills, self._prefill(prefills)):
                 r.num_computed = c1
                 final = c1 == len(r.token_ids) - 1
-                spans.append(DraftSpan(r, c0, hidden, None, self._num_drafts(r) if final else 0))
+                spans.append(DraftSpan(r, c0, hidden, None, self._num_drafts(r) if final else 0, slot=r.slot or 0))
         if decodes:
             drafts = self._batch_drafts(decodes)
-            verdict = self.verifier.verify(self.kv, decodes, drafts, self._run_target)
-            accepted, next_tokens = verdict.num_accepted.tolist(), verdict.next_tokens.tolist()
-            self.metrics.record(drafts.num_drafts, verdict.num_accepted)
+            bucket = bucket_for(len(decodes), self.config.batch_buckets)
+            verdict = self.verifier.verify(self.kv, decodes, drafts, self._run_target, pad_to=bucket)
+            # the step's one device -> host read: accepted counts, next tokens, the drafts
+            packed = torch.cat([verdict.num_accepted[:, None], verdict.next_tokens[:, None], drafts.tokens], 1)
+            rows = packed.tolist()
+            counts = [r.num_pending for r in decodes]
+            accepted = [row[0] for row in rows]
+            self.metrics.record(counts, accepted)
+            if self.adaptive is not None and self._forced_k is None:
+                self.adaptive.observe(counts, accepted)
             for b, r in enumerate(decodes):
-                a, n, L = accepted[b], int(drafts.num_drafts[b]), len(r.token_ids)
+                a, n, L = accepted[b], counts[b], len(r.token_ids)
                 r.num_verify_steps += 1
                 r.num_draft_tokens += n
                 r.num_accepted_tokens += a
-                r.pending = None
-                self._append(r, drafts.tokens[b, :a].tolist() + [next_tokens[b]])
+                r.num_pending = r.pending_width = 0
+                self._append(r, rows[b][2 : 2 + a] + [rows[b][1]])
                 if r.finished:
                     finished.append(r)
                     continue
                 r.num_computed = L + a
-                spans.append(DraftSpan(r, L - 1, verdict.hidden[b, : a + 1], a, self._num_drafts(r)))
+                spans.append(DraftSpan(r, L - 1, verdict.hidden[b], a, self._num_drafts(r), r.slot or 0, a + 1))
         t1 = time.perf_counter()
 
         # draft
         spans = [s for s in spans if self.drafter.needs_hidden or s.num_drafts > 0]
         if spans:
-            proposed = self.drafter.propose(spans, self.kv, self._run_draft, keep_logits=self.config.check_drafts)
-            for b, s in enumerate(spans):
-                cast(Request, s.request).pending = _row(proposed, b, self.device)
-            if self.config.check_drafts:
-                self._check_drafts(spans, proposed)
+            self._draft(spans)
         t2 = time.perf_counter()
 
         # bookkeeping: prefix cache, sliding windows, finished requests
@@ -289,8 +381,9 @@ class Engine:
         for r in self.running:
             if r.finished:
                 continue
-            self.kv.finalize(r.id, r.token_ids, min(r.num_computed, len(r.token_ids) - lookahead))
-            self.kv.trim(r.id, max(0, r.num_computed - max(0, lookahead - 1)))
+            done = r.num_computed if r.lag_start is None else r.lag_start  # the drafter's caches end here
+            self.kv.finalize(r.id, r.token_ids, min(done, len(r.token_ids) - lookahead))
+            self.kv.trim(r.id, max(0, done - max(0, lookahead - 1)))
         for r in finished:
             self._release(r)
         t3 = time.perf_counter()
@@ -303,6 +396,54 @@ class Engine:
             obs.on_step_end(self, finished)
         return finished
 
+    def _round_k(self, num_rows: int) -> int:
+        """k of this drafting round: the drafter's, or adaptive k's choice for the batch bucket."""
+        if self._forced_k is not None:
+            return self._forced_k
+        if self.adaptive is None:
+            return self.drafter.num_tokens
+        return self.adaptive.choose(bucket_for(num_rows, self.config.batch_buckets))
+
+    def _draft(self, spans: list[DraftSpan]) -> None:
+        """Propose the next drafts of ``spans`` into their requests' slots. With adaptive k at 0,
+        decode spans wait (the lag) and are drafted over with the next round that drafts."""
+        k = self._round_k(len(spans))
+        if k == 0 and self.drafter.needs_hidden:
+            waiting = [s for s in spans if s.num_accepted is not None and _lag_len(s.request) < LAG_LIMIT]
+            for s in waiting:
+                r = cast(Request, s.request)
+                if r.lag_start is None:
+                    r.lag_start = s.start
+                assert s.hidden is not None
+                r.lag.append((s.hidden[: s.new_positions].clone(), s.new_positions))  # graph outputs get reused
+            spans = [s for s in spans if all(s is not w for w in waiting)]
+            k = 1 if spans else 0
+        if not spans:
+            return
+        self.k_chosen[k] += 1
+        spans = [_with_lag(s) for s in spans]
+        bucket = bucket_for(len(spans), self.config.batch_buckets)
+        proposed = self.drafter.propose(
+            spans, self.kv, self._run_draft, keep_logits=self.config.check_drafts, pad_to=bucket, num_tokens=k
+        )
+        counts = proposed.counts if proposed.counts is not None else proposed.num_drafts.tolist()
+        slot_ids = torch.tensor([s.slot for s in spans], device=self.device)
+        width = proposed.tokens.shape[1]
+        if width:
+            full = self._draft_tokens.shape[1]
+            self._draft_tokens.index_copy_(0, slot_ids, F.pad(proposed.tokens, (0, full - width)))
+            if proposed.probs is not None:
+                if self._draft_probs is None:
+                    self._draft_probs = torch.zeros(
+                        *self._draft_tokens.shape, proposed.probs.shape[-1], device=self.device
+                    )  # [slots + 1, k, V]
+                self._draft_probs.index_copy_(0, slot_ids, F.pad(proposed.probs, (0, 0, 0, full - width)))
+        for b, s in enumerate(spans):
+            r = cast(Request, s.request)
+            r.num_pending, r.pending_width = counts[b], width
+        if self.config.check_drafts:
+            self._check_drafts(spans, proposed)
+
     # ---------------------------------------------------------------- schedule
     def _num_drafts(self, r: Request) -> int:
         """Drafts worth proposing for ``r``'s next verify step."""
@@ -312,7 +453,7 @@ class Engine:
 
     @staticmethod
     def _num_pending(r: Request) -> int:
-        return int(r.pending.num_drafts[0]) if r.pending is not None else 0
+        return r.num_pending
 
     def _needs(self, r: Request, chunk_end: int | None) -> tuple[int, int]:
         """(target_end, draft_end) positions ``r`` writes this step."""
@@ -381,6 +522,7 @@ class Engine:
                 break
             self.waiting.popleft()
             r.status = RequestStatus.RUNNING
+            r.slot = self._free_slots.pop(0)
             self.running.append(r)
             budget -= take(r, chunk_end)
         return prefills, decodes
@@ -409,7 +551,8 @@ class Engine:
         self.kv.free(r.id)
         self.drafter.release(r.id)
         self._preempted_this_step = True
-        r.num_computed, r.pending, r.status = 0, None, RequestStatus.WAITING
+        r.num_computed, r.status = 0, RequestStatus.WAITING
+        self._free_slot(r)
         r.num_preemptions += 1
         self.waiting.appendleft(r)
 
@@ -426,28 +569,25 @@ class Engine:
             positions[b] = torch.arange(c0, c0 + T).clamp(max=c1 - 1)
             valid[b, : c1 - c0] = True
         ids, positions, valid = ids.to(self.device), positions.to(self.device), valid.to(self.device)
-        caches = self.kv.target_caches([r.id for r, _, _ in chunks], positions, valid)
-        hidden = self._run_target(self.model, ids, positions, caches)  # [B, T, H]
-        return [hidden[b, : c1 - c0] for b, (_, c0, c1) in enumerate(chunks)]
+        rids, first, end = [r.id for r, _, _ in chunks], [c0 for _, c0, _ in chunks], [c1 for _, _, c1 in chunks]
+        tables = self.kv.step_tables(self.kv.group_indices(), rids, first, end)
+        hidden = self._run_target(self.model, ids, positions, self.kv.caches_from(tables, positions, valid))
+        return [hidden[b, : c1 - c0] for b, (_, c0, c1) in enumerate(chunks)]  # [B, T, H] -> [c1 - c0, H] each
 
     def _batch_drafts(self, decodes: list[Request]) -> Drafts:
-        """Stack the pending drafts of ``decodes`` into one padded batch."""
-        rows = [r.pending or Drafts.empty(1, self.device) for r in decodes]
-        k = max(d.tokens.shape[1] for d in rows)
-        tokens = torch.stack([F.pad(d.tokens[0], (0, k - d.tokens.shape[1])) for d in rows]).to(self.device)
-        num = torch.cat([d.num_drafts for d in rows]).to(self.device)
+        """The pending drafts of ``decodes`` from their slots: tokens [B, k] (k: the width they
+        were drafted with) and, when a request samples, their distributions q [B, k, V]."""
+        k = max(r.pending_width for r in decodes)
+        slot_ids = torch.tensor([r.slot for r in decodes], device=self.device)
+        tokens = self._draft_tokens.index_select(0, slot_ids)[:, :k]  # [B, k]
+        counts = [r.num_pending for r in decodes]
         probs = None
-        if any(d.probs is not None for d in rows):
-            V = next(d.probs for d in rows if d.probs is not None).shape[-1]
-            probs = torch.stack(
-                [
-                    F.pad(d.probs[0], (0, 0, 0, k - d.probs.shape[1]))
-                    if d.probs is not None
-                    else F.one_hot(tokens[b], V).float()
-                    for b, d in enumerate(rows)
-                ]
-            ).to(self.device)
-        return Drafts(tokens, num, probs)
+        if self._draft_probs is not None and not all(r.sampling.greedy for r in decodes):
+            probs = self._draft_probs.index_select(0, slot_ids)[:, :k]  # [B, k, V]
+            greedy = torch.tensor([r.sampling.greedy for r in decodes], device=self.device)
+            one_hot = F.one_hot(tokens, probs.shape[-1]).to(probs.dtype)
+            probs = torch.where(greedy[:, None, None], one_hot, probs)  # greedy rows: q one-hot at the draft
+        return Drafts(tokens, torch.tensor(counts, device=self.device), probs, counts=counts)
 
     # ------------------------------------------------------------------ outputs
     def _append(self, r: Request, tokens: list[int]) -> None:
@@ -483,6 +623,15 @@ class Engine:
             self.running.remove(r)
         self.kv.free(r.id)
         self.drafter.release(r.id)
+        self._free_slot(r)
+
+    def _free_slot(self, r: Request) -> None:
+        """Give back ``r``'s slot and forget its pending drafts and lag."""
+        if r.slot is not None:
+            self._free_slots.append(r.slot)
+            r.slot = None
+        r.num_pending = r.pending_width = 0
+        r.lag, r.lag_start = [], None
 
     # ------------------------------------------------------------------ checks
     def _check_drafts(self, spans: Sequence[DraftSpan], proposed: Drafts) -> None:
@@ -512,11 +661,18 @@ class Engine:
                     )
 
 
-def _row(drafts: Drafts, b: int, device: torch.device) -> Drafts:
-    """Row ``b`` of ``drafts``, trimmed to its own draft count, on ``device``."""
-    n = int(drafts.num_drafts[b])
-    return Drafts(
-        drafts.tokens[b : b + 1, :n].to(device),
-        drafts.num_drafts[b : b + 1].to(device),
-        drafts.probs[b : b + 1, :n].to(device) if drafts.probs is not None else None,
-    )
+def _lag_len(r: RequestLike) -> int:
+    return sum(n for _, n in cast(Request, r).lag)
+
+
+def _with_lag(span: DraftSpan) -> DraftSpan:
+    """``span`` preceded by the positions its request's drafter skipped (adaptive k chose 0): one
+    span from the lag's start, with the most re-prefill (always correct, docs/design.md §2)."""
+    r = cast(Request, span.request)
+    if r.lag_start is None:
+        return span
+    assert span.hidden is not None
+    pieces = [h[:n] for h, n in r.lag] + [span.hidden[: span.new_positions]]
+    hidden = torch.cat(pieces)  # [lag + new, H]
+    start, r.lag, r.lag_start = r.lag_start, [], None
+    return DraftSpan(r, start, hidden, 0, span.num_drafts, span.slot, len(hidden))

@@ -104,9 +104,25 @@ def drafter_kind(drafter_node: Any) -> str:
     return DRAFTER_NAMES.get(cls, cls)
 
 
+AUTO = "auto"  # spec.num_tokens=auto: adaptive k (inkfw.speculative.adaptive)
+
+
+def adaptive_requested(cfg: Any) -> bool:
+    """True for ``spec.num_tokens=auto``."""
+    return _get(cfg, "spec.num_tokens") == AUTO
+
+
 def engine_options(cfg: Any) -> tuple[str, int | None, int | None]:
-    """(drafter kind, D requested, k requested), validated without building anything."""
+    """(drafter kind, D requested, k requested), validated without building anything; with
+    ``spec.num_tokens=auto`` k is the largest k adaptive k may choose (``spec.max_num_tokens``,
+    null: D)."""
     kind = drafter_kind(cfg.get("drafter"))
+    if adaptive_requested(cfg):
+        depths = _int_option("mtp.depths", _get(cfg, "mtp.depths"), 1 if kind == "mtp" else 0)
+        k_max = _int_option(
+            "spec.max_num_tokens", _get(cfg, "spec.max_num_tokens"), 1, hint=" (the largest k of spec.num_tokens=auto)"
+        )
+        return kind, depths, k_max
     depths = _int_option(
         "mtp.depths",
         _get(cfg, "mtp.depths"),
@@ -114,7 +130,10 @@ def engine_options(cfg: Any) -> tuple[str, int | None, int | None]:
         hint=" (null: all depths the checkpoint ships)",
     )
     k = _int_option(
-        "spec.num_tokens", _get(cfg, "spec.num_tokens"), 1, hint=" (draft tokens per verify step; null: mtp.depths)"
+        "spec.num_tokens",
+        _get(cfg, "spec.num_tokens"),
+        1,
+        hint=" or 'auto' (draft tokens per verify step; null: mtp.depths)",
     )
     return kind, depths, k
 
@@ -268,4 +287,10 @@ def build_engine(cfg: Any, model=None, tokenizer=None) -> tuple[Engine, Any]:
         max_num_seqs=ec.max_num_seqs,
         max_num_batched_tokens=ec.max_num_batched_tokens,
     )
-    return Engine(model, drafter, verifier, kv, sampler=sampler, config=ec, tokenizer=tokenizer), tokenizer
+    adaptive = None
+    if adaptive_requested(cfg) and drafter.num_tokens > 0:
+        from inkfw.speculative.adaptive import AdaptiveK
+
+        adaptive = AdaptiveK(drafter.num_tokens)
+    engine = Engine(model, drafter, verifier, kv, sampler=sampler, config=ec, tokenizer=tokenizer, adaptive=adaptive)
+    return engine, tokenizer

@@ -106,11 +106,13 @@ class RequestLike(Protocol):
 class DraftSpan:
     """One request's input to a drafting round.
 
-    ``hidden`` [T, H] are the target's final hidden states of positions ``start ..
-    start + T - 1`` that became final since the previous round (a prefill chunk, or the
-    accepted positions of a verify step). ``num_accepted``: drafts the preceding verify
-    accepted (None after a prefill chunk). ``num_drafts``: drafts wanted after this span
-    (0 for a prefill chunk that is not the prompt's last).
+    ``hidden`` [>= n, H]: its first ``n = num_new`` rows are the target's final hidden states
+    of positions ``start .. start + n - 1`` that became final since the drafter's previous
+    round (prefill chunks, or the accepted positions of verify steps); rows past them are
+    ignored (a verify step passes its whole ``[k+1, H]`` row). ``num_accepted``: drafts the
+    preceding verify accepted (None after a prefill chunk; 0 when in doubt: more re-prefill is
+    always correct). ``num_drafts``: drafts wanted after this span (0 for a prefill chunk that
+    is not the prompt's last). ``slot``: the request's fixed row in per-request device buffers.
     """
 
     request: RequestLike
@@ -118,6 +120,12 @@ class DraftSpan:
     hidden: torch.Tensor | None
     num_accepted: int | None
     num_drafts: int
+    slot: int = 0
+    num_new: int | None = None  # None: len(hidden)
+
+    @property
+    def new_positions(self) -> int:
+        return self.num_new if self.num_new is not None else len(self.hidden) if self.hidden is not None else 0
 
 
 @dataclass
@@ -131,6 +139,7 @@ class Drafts:
     num_drafts: torch.Tensor
     probs: torch.Tensor | None = None
     logits: torch.Tensor | None = None
+    counts: list[int] | None = None  # num_drafts as host ints, when the drafter knows them (no read back)
 
     @staticmethod
     def empty(batch: int, device: torch.device | str = "cpu") -> Drafts:
@@ -147,13 +156,27 @@ class KVManager(Protocol):
     def free(self, rid: Hashable) -> None: ...
     def finalize(self, rid: Hashable, tokens: Sequence[int], num_final: int) -> None: ...
     def trim(self, rid: Hashable, first_query: int) -> None: ...
-    def target_caches(
-        self, rids: Sequence[Hashable], positions: torch.Tensor, valid: torch.Tensor
-    ) -> list[LayerCache]: ...
-    def draft_cache(
-        self, depth: int, rids: Sequence[Hashable], positions: torch.Tensor, valid: torch.Tensor
-    ) -> LayerCache: ...
-    def invalidate_draft(self, rid: Hashable, start: int, end: int) -> None: ...
+    # a forward's caches: block tables from host values, then views from tensors (docs/design.md §4)
+    def group_indices(self, draft_depth: int | None = None) -> list[int]: ...
+    def step_tables(
+        self,
+        groups: Sequence[int],
+        rids: Sequence[Hashable | None],
+        first: Sequence[int],
+        end: Sequence[int],
+        width: Callable[[int], int] = ...,
+        stage: Callable[[str, list], torch.Tensor] | None = None,
+    ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]: ...
+    def caches_from(
+        self,
+        tables: dict[int, tuple[torch.Tensor, torch.Tensor]],
+        positions: torch.Tensor,
+        valid: torch.Tensor,
+        draft_depth: int | None = None,
+    ) -> Sequence[LayerCache]: ...
+    def forget_from(
+        self, tables: dict[int, tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor, valid: torch.Tensor
+    ) -> None: ...
     def is_whole(self) -> bool: ...
     def usage(self) -> float: ...  # fraction (0..1) of the target's full-attention blocks requests hold
     @property
@@ -194,8 +217,14 @@ class Drafter(Protocol):
     needs_hidden: bool  # whether spans must carry target hidden states
 
     def propose(
-        self, spans: Sequence[DraftSpan], kv: KVManager, run: ForwardRunner, keep_logits: bool = False
-    ) -> Drafts: ...
+        self,
+        spans: Sequence[DraftSpan],
+        kv: KVManager,
+        run: ForwardRunner,
+        keep_logits: bool = False,
+        pad_to: int | None = None,
+        num_tokens: int | None = None,
+    ) -> Drafts: ...  # pad_to: rows of a static batch bucket; num_tokens: this round's k (<= num_tokens)
 
     def release(self, rid: Hashable) -> None: ...
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from inkfw.speculative.acceptance import greedy_accept, rejection_sample
 from inkfw.speculative.interfaces import (
@@ -25,43 +26,124 @@ from inkfw.speculative.interfaces import (
 )
 from inkfw.speculative.observers import run_directly
 from inkfw.speculative.sampling import Sampler
+from inkfw.speculative.step import StepBuffers, StepFunction, table_width
 
 
 class TargetVerifier:
-    """``inkfw/conf/verifier/target.yaml``: the target model decides, losslessly."""
+    """``inkfw/conf/verifier/target.yaml``: the target model decides, losslessly.
+
+    The forward and greedy acceptance are one function of tensors (:meth:`forward`) over
+    persistent input buffers, compiled or graph-captured by the engine's choice
+    (:meth:`set_step_mode`); it reads nothing back to the host."""
 
     def __init__(self, model: TargetModel, sampler: TokenSampler | None = None):
         self.model = model
         self.sampler = sampler or Sampler()
+        self.device = next(model.parameters()).device
+        self.buffers = StepBuffers(self.device)
+        self._compile = self._cuda_graphs = False
+        self._functions: dict[int, StepFunction] = {}
+
+    def set_step_mode(self, compile: bool = False, cuda_graphs: bool = False) -> None:
+        self._compile, self._cuda_graphs = compile, cuda_graphs
+        self._functions.clear()
+
+    @property
+    def warmup_s(self) -> float:
+        return sum(f.warmup_s for f in self._functions.values())
 
     @torch.no_grad()
     def verify(
-        self, kv: KVManager, requests: Sequence[RequestLike], drafts: Drafts, run: ForwardRunner = run_directly
+        self,
+        kv: KVManager,
+        requests: Sequence[RequestLike],
+        drafts: Drafts,
+        run: ForwardRunner = run_directly,
+        pad_to: int | None = None,
     ) -> Verdict:
-        device = drafts.tokens.device
+        """The target over ``[x[L-1], d_1 .. d_k]`` of each request, in a batch padded to
+        ``pad_to`` rows (static shapes; padding rows write only scratch slots)."""
         B, k = drafts.tokens.shape
-        last = torch.tensor([r.token_ids[-1] for r in requests], device=device)
-        start = torch.tensor([len(r.token_ids) - 1 for r in requests], device=device)
-        ids = torch.cat([last[:, None], drafts.tokens], dim=1)  # [B, 1+k]
-        slots = torch.arange(k + 1, device=device)
-        positions = start[:, None] + slots  # [B, 1+k]
-        valid = slots[None, :] <= drafts.num_drafts[:, None]  # [B, 1+k]
-        caches = kv.target_caches([r.id for r in requests], positions, valid)
-        hidden = run(self.model, ids, positions, caches)  # [B, 1+k, H]
-        logits = run(self.model.logits, hidden)  # [B, 1+k, V]
-        num_accepted, next_tokens = self.accept(logits, requests, drafts)
-        return Verdict(num_accepted, next_tokens, hidden)
+        pad = max(0, (pad_to or B) - B)
+        counts = drafts.counts if drafts.counts is not None else drafts.num_drafts.tolist()
+        starts = [len(r.token_ids) - 1 for r in requests] + [0] * pad
+        num_drafts = list(counts) + [-1] * pad  # -1: a padding row, nothing valid
+        stage = self.buffers.stage
+        tables = kv.step_tables(
+            kv.group_indices(),
+            [r.id for r in requests] + [None] * pad,
+            starts,
+            [s + n + 1 for s, n in zip(starts, num_drafts)],
+            width=table_width if pad_to is not None else (lambda n: n),
+            stage=stage,
+        )
+        args = [
+            stage("last", [r.token_ids[-1] for r in requests] + [0] * pad),
+            stage("drafts", F.pad(drafts.tokens, (0, 0, 0, pad))),
+            stage("num_drafts", num_drafts),
+            stage("starts", starts),
+        ]
+        for table, base in tables.values():
+            args += [table, base]
+        hidden, logits, num_accepted, next_tokens = run(self._function(kv, len(tables)), *args)
+        if not all(r.sampling.greedy for r in requests) or type(self).accept is not TargetVerifier.accept:
+            num_accepted, next_tokens = self.accept(logits[:B], requests, drafts)  # sampled (or a subclass's rule)
+        return Verdict(num_accepted[:B], next_tokens[:B], hidden[:B])
+
+    def _function(self, kv: KVManager, num_groups: int) -> StepFunction:
+        if num_groups not in self._functions:
+
+            def verify_step(*args: torch.Tensor):
+                return self.forward(kv, *args)
+
+            self._functions[num_groups] = StepFunction(
+                verify_step, "verify", compile=self._compile, cuda_graphs=self._cuda_graphs
+            )
+        return self._functions[num_groups]
+
+    def forward(
+        self,
+        kv: KVManager,
+        last: torch.Tensor,
+        draft_tokens: torch.Tensor,
+        num_drafts: torch.Tensor,
+        starts: torch.Tensor,
+        *tables: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """last [B], draft_tokens [B, k], num_drafts [B] (-1: padding), starts [B] (L - 1), block
+        tables -> (hidden [B, k+1, H], logits [B, k+1, V], greedy num_accepted [B], greedy next [B])."""
+        k = draft_tokens.shape[1]
+        ids = torch.cat([last[:, None], draft_tokens], dim=1)  # [B, 1+k]
+        slots = torch.arange(k + 1, device=ids.device)
+        positions = starts[:, None] + slots  # [B, 1+k]
+        valid = slots[None, :] <= num_drafts[:, None]  # [B, 1+k]
+        groups = kv.group_indices()
+        views = {gi: (tables[2 * i], tables[2 * i + 1]) for i, gi in enumerate(groups)}
+        hidden = self.model(ids, positions, kv.caches_from(views, positions, valid))  # [B, 1+k, H]
+        logits = self.model.logits(hidden)  # [B, 1+k, V]
+        num_accepted, next_tokens = greedy_accept(draft_tokens, logits, num_drafts.clamp(min=0), check=False)
+        return hidden, logits, num_accepted, next_tokens
+
+    def sample(
+        self, logits: torch.Tensor, requests: Sequence[RequestLike], drafts: Drafts, counts: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Lossless rejection sampling of a batch with sampled requests (eager: the draws come
+        from each request's generator, docs/design.md §3)."""
+        params = [r.sampling for r in requests]
+        k = drafts.tokens.shape[1]
+        p = self.sampler.probs(logits, params)  # [B, 1+k, V]
+        uniforms, noise = self.sampler.acceptance_draws(
+            [r.generator for r in requests], list(counts), k, p.shape[-1], p.device
+        )  # [B, k], [B, V]
+        return rejection_sample(drafts.tokens, drafts.probs, p, uniforms, noise, drafts.num_drafts, check=False)
 
     def accept(
         self, logits: torch.Tensor, requests: Sequence[RequestLike], drafts: Drafts
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(num_accepted [B], next_tokens [B])`` from the target's ``logits`` [B, 1+k, V]."""
-        params = [r.sampling for r in requests]
-        if all(p.greedy for p in params):
-            return greedy_accept(drafts.tokens, logits, drafts.num_drafts)
-        B, k = drafts.tokens.shape
-        p = self.sampler.probs(logits, params)  # [B, 1+k, V]
-        uniforms, noise = self.sampler.acceptance_draws(
-            [r.generator for r in requests], drafts.num_drafts, k, p.shape[-1], p.device
-        )  # [B, k], [B, V]
-        return rejection_sample(drafts.tokens, drafts.probs, p, uniforms, noise, drafts.num_drafts)
+        """``(num_accepted [B], next_tokens [B])`` from the target's ``logits`` [B, 1+k, V].
+        :meth:`verify` calls it for batches with sampled requests (greedy batches take the
+        acceptance computed inside the step function), or always when a subclass overrides it."""
+        if all(r.sampling.greedy for r in requests):
+            return greedy_accept(drafts.tokens, logits, drafts.num_drafts, check=False)
+        counts = drafts.counts if drafts.counts is not None else drafts.num_drafts.tolist()
+        return self.sample(logits, requests, drafts, counts)

@@ -180,8 +180,8 @@ class RandomAcceptVerifier(TargetVerifier):
         self.lengths: list[int] = []
 
     @torch.no_grad()
-    def verify(self, kv, requests, drafts: Drafts, run=run_directly) -> Verdict:
-        verdict = super().verify(kv, requests, drafts, run)
+    def verify(self, kv, requests, drafts: Drafts, run=run_directly, pad_to=None) -> Verdict:
+        verdict = super().verify(kv, requests, drafts, run, pad_to)
         argmax = self.model.logits(verdict.hidden).argmax(-1)  # [B, 1+k]
         vocab = self.vocab or self.model.cfg.logits_vocab_size
         accepted, nexts = [], []
@@ -230,7 +230,7 @@ class OracleDrafter:
             self.continuations[key] = list(prompt) + uncached_greedy(self.model, prompt, self.horizon)
         return self.continuations[key]
 
-    def propose(self, spans, kv, run=run_directly, keep_logits: bool = False) -> Drafts:
+    def propose(self, spans, kv, run=run_directly, keep_logits: bool = False, pad_to=None, num_tokens=None) -> Drafts:
         vocab = self.model.cfg.logits_vocab_size
         tokens = torch.zeros(len(spans), self.num_tokens, dtype=torch.long)
         num = torch.zeros(len(spans), dtype=torch.long)

@@ -24,15 +24,24 @@ from inkfw.speculative.draft_view import DraftView
 from inkfw.speculative.interfaces import Drafts, DraftSpan, ForwardRunner, KVManager, TargetModel, TokenSampler
 from inkfw.speculative.observers import run_directly
 from inkfw.speculative.sampling import Sampler
+from inkfw.speculative.step import StepBuffers, StepFunction, table_width
 
 
 @dataclass
 class _RowState:
-    next_start: int  # first position not processed yet
-    tail: torch.Tensor  # [<= P-1, H] target hidden states of the positions just before next_start
+    slot: int  # row of the tail buffer
+    next_start: int  # first position not drafted over yet
+    tail_len: int  # valid rows at the end of the request's tail (<= P - 1)
 
 
 class MtpDrafter:
+    """``inkfw/conf/drafter/mtp.yaml``. Per request it keeps, on the device, the target hidden
+    states of the last P - 1 positions it drafted over (the re-prefill tail, one row of
+    ``tail`` per request slot); on the host, where the next span starts. A round reads nothing
+    back to the host: spans, positions and block tables are built from host values and copied
+    into persistent buffers, and the round itself is one function of tensors
+    (:meth:`round`), compiled or graph-captured by the engine's choice (:meth:`set_step_mode`)."""
+
     needs_hidden = True
 
     def __init__(
@@ -53,116 +62,246 @@ class MtpDrafter:
         self.num_depths = view.depths
         self.lookahead = view.prefill_steps  # P
         self.sampler = sampler or Sampler()
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
         self._rows: dict[Hashable, _RowState] = {}
+        self.tail = torch.zeros(1, max(0, self.lookahead - 1), model.cfg.hidden_size, dtype=self.dtype, device=self.device)
+        self.buffers = StepBuffers(self.device)
+        self._compile = self._cuda_graphs = False
+        self._rounds: dict[tuple[int, int], StepFunction] = {}
+
+    # ------------------------------------------------------------------ setup
+    def reserve(self, num_slots: int) -> None:
+        """Room for request slots ``0 .. num_slots - 1`` (+ a scratch row for padding)."""
+        if self.tail.shape[0] < num_slots + 1:
+            tail = self.tail.new_zeros(num_slots + 1, *self.tail.shape[1:])
+            tail[: self.tail.shape[0] - 1] = self.tail[:-1]
+            self.tail = tail
+
+    def set_step_mode(self, compile: bool = False, cuda_graphs: bool = False) -> None:
+        """Run greedy rounds compiled (``torch.compile``) and/or as CUDA graphs."""
+        self._compile, self._cuda_graphs = compile, cuda_graphs
+        self._rounds.clear()
+
+    @property
+    def warmup_s(self) -> float:
+        return sum(f.warmup_s for f in self._rounds.values())
 
     def release(self, rid: Hashable) -> None:
         self._rows.pop(rid, None)
 
+    def next_start(self, rid: Hashable) -> int | None:
+        """First position request ``rid``'s next span must start at (None: not seen yet)."""
+        state = self._rows.get(rid)
+        return None if state is None else state.next_start
+
+    # ------------------------------------------------------------------ a round
     @torch.no_grad()
     def propose(
-        self, spans: Sequence[DraftSpan], kv: KVManager, run: ForwardRunner = run_directly, keep_logits: bool = False
+        self,
+        spans: Sequence[DraftSpan],
+        kv: KVManager,
+        run: ForwardRunner = run_directly,
+        keep_logits: bool = False,
+        pad_to: int | None = None,
+        num_tokens: int | None = None,
     ) -> Drafts:
-        model, k, D, P = self.model, self.num_tokens, self.num_depths, self.lookahead
-        device = next(model.parameters()).device
-        B = len(spans)
-        rids = [s.request.id for s in spans]
+        """Drafts for ``spans`` (docs/design.md §2): ``num_tokens`` (default k) per row at most,
+        in a batch padded to ``pad_to`` rows (padding rows compute and write nothing that is
+        read). Returns the first ``len(spans)`` rows."""
+        P, D = self.lookahead, self.num_depths
+        K = self.num_tokens if num_tokens is None else num_tokens
+        B = max(len(spans), pad_to or 0)
+        self.reserve(max((s.slot for s in spans), default=0) + 1)
+        scratch = self.tail.shape[0] - 1
 
-        # ---- the span of each row: re-prefilled positions + the new ones
-        hidden_rows, starts = [], []
+        # ---- host: each row's span (re-prefilled positions + the new ones), read from host values
+        slots, starts, lengths, takes, wants, draft_at, rids = [], [], [], [], [], [], []
         for span in spans:
-            assert span.hidden is not None, "MTP drafting needs the target's hidden states"
-            state = self._rows.get(span.request.id)
-            if state is None:
-                state = _RowState(span.start, span.hidden[:0])
+            rid = span.request.id
+            state = self._rows.get(rid) or _RowState(span.slot, span.start, 0)
             assert span.start == state.next_start, (
-                f"request {span.request.id}: span starts at {span.start}, drafter expected {state.next_start}"
+                f"request {rid}: span starts at {span.start}, drafter expected {state.next_start}"
             )
-            r = 0 if span.num_accepted is None else min(max(0, P - 1 - span.num_accepted), len(state.tail))
-            hidden_rows.append(torch.cat([state.tail[len(state.tail) - r :], span.hidden]))  # [T_b, H]
+            n = span.new_positions
+            r = 0 if span.num_accepted is None else min(max(0, P - 1 - span.num_accepted), state.tail_len)
+            self._rows[rid] = _RowState(span.slot, span.start + n, min(P - 1, state.tail_len + n))
+            slots.append(span.slot)
             starts.append(span.start - r)
-            both = torch.cat([state.tail, span.hidden])
-            self._rows[span.request.id] = _RowState(span.start + len(span.hidden), both[max(0, len(both) - (P - 1)) :])
-        lengths = [len(h) for h in hidden_rows]
-        T = max(lengths)
-        ar = torch.arange(T)
-        start_t = torch.tensor(starts)
-        len_t = torch.tensor(lengths)
-        valid = (ar[None, :] < len_t[:, None]).to(device)  # [B, T]
-        positions = (start_t[:, None] + torch.minimum(ar[None, :], (len_t - 1)[:, None])).to(device)  # [B, T]
-        g = torch.stack([F.pad(h, (0, 0, 0, T - len(h))) for h in hidden_rows]).to(device)  # [B, T, H]
-        ends = [s + n - 1 for s, n in zip(starts, lengths)]  # last position of each span
+            lengths.append(r + n)
+            takes.append(r)
+            wants.append(min(span.num_drafts, K))
+            draft_at.append(len(span.request.token_ids) - (span.start - r) - 1)  # ext index of d_1 = x[L]
+            rids.append(rid)
+        # static batches use one span width, k + 1 >= any span after a verify step (docs/design.md §2)
+        T = max(lengths) if pad_to is None else max(*lengths, self.num_tokens + 1)
+        Th = max(len(s.hidden) for s in spans if s.hidden is not None)
+        E = T + max(K, P)  # ext width: depth s reads ext[:, s : s + T], drafts land up to T + K
+        ext = []
+        for span, start in zip(spans, starts):
+            known = span.request.token_ids[start + 1 : start + 1 + E]  # ext[b, i] = x[start + 1 + i]
+            ext.append(known + [0] * (E - len(known)))
+        pad = B - len(spans)
+        slots += [scratch] * pad
+        starts += [0] * pad
+        lengths += [0] * pad
+        takes += [0] * pad
+        wants += [0] * pad
+        draft_at += [0] * pad
+        ext += [[0] * E] * pad
+        ends = [s + n - 1 for s, n in zip(starts, lengths)]
+        # src = [tail (P - 1 rows), hidden (Th rows)]: span row j of b is src row P-1-r_b + min(j, len_b - 1)
+        gather = [[P - 1 - r + min(j, max(n - 1, 0)) for j in range(T)] for r, n in zip(takes, lengths)]
+        new_tail = [[n - r + i for i in range(P - 1)] for r, n in zip(takes, lengths)]  # last P-1 rows of src[:P-1+new]
+        hidden = torch.stack(
+            [F.pad(s.hidden, (0, 0, 0, Th - len(s.hidden))) for s in spans if s.hidden is not None]
+            + [spans[0].hidden.new_zeros(Th, spans[0].hidden.shape[-1])] * pad  # type: ignore[union-attr]
+        )  # [B, Th, H]
 
-        # ext[b, i] = x[start_b + 1 + i]; drafts are written in as they are sampled
-        ext = torch.zeros(B, T + k, dtype=torch.long)
-        for b, span in enumerate(spans):
-            known = span.request.token_ids[starts[b] + 1 : starts[b] + 1 + T + k]
-            ext[b, : len(known)] = torch.tensor(known, dtype=torch.long)
-        ext = ext.to(device)
-        want = torch.tensor([s.num_drafts for s in spans])  # [B]
-        draft_at = torch.tensor(
-            [len(s.request.token_ids) - starts[b] - 1 for b, s in enumerate(spans)], device=device
-        )  # ext index of d_1 = x[L]
-        rows = torch.arange(B, device=device)
-        last = (len_t - 1).to(device)
-
-        tokens = torch.zeros(B, k, dtype=torch.long, device=device)
-        probs: list[torch.Tensor | None] = [None] * k
-        logits_kept: list[torch.Tensor | None] = [None] * k
+        stage = self.buffers.stage
+        rows_t = [
+            stage("slots", slots),
+            stage("starts", starts),
+            stage("lengths", lengths),
+            stage("gather", gather),
+            stage("new_tail", new_tail if P > 1 else [[] for _ in range(B)]),
+            stage("ext", ext),
+            stage("draft_at", draft_at),
+            stage("wants", wants),
+        ]
+        table_args = []
+        last_end = [e + 1 + max(0, w - P) if n else 0 for e, n, w in zip(ends, lengths, wants)]
+        for d in range(D):
+            tables = kv.step_tables(
+                kv.group_indices(d), rids + [None] * pad, starts, last_end, width=table_width, stage=stage
+            )
+            for gi in kv.group_indices(d):
+                table_args += list(tables[gi])
+        args = (self.buffers.stage("hidden", hidden, hidden.dtype), *rows_t, *table_args)
 
         params = [s.request.sampling for s in spans]
-        any_sampled = any(not p.greedy for p in params)
-        wanted = want.tolist()
-        want_dev = want.to(device)
-        most = max(wanted)
+        greedy = all(p.greedy for p in params)
+        if greedy and not keep_logits:
+            tokens = run(self._round_function(kv, K, len(table_args)), *args)
+            return Drafts(tokens[: len(spans)], torch.tensor(wants[: len(spans)], device=self.device), counts=wants[: len(spans)])
+        chooser = _SampledChooser(self.sampler, spans, wants, keep_logits, pad)
+        tokens = run(self.round, kv, K, chooser, *args)
+        probs = chooser.stacked_probs(tokens) if not greedy else None
+        logits = chooser.stacked_logits() if keep_logits else None
+        n = len(spans)
+        return Drafts(
+            tokens[:n],
+            torch.tensor(wants[:n], device=self.device),
+            probs[:n] if probs is not None else None,
+            logits[:n] if logits is not None else None,
+            counts=wants[:n],
+        )
 
-        def choose(step: int, logits: torch.Tensor) -> None:  # logits [B, V] -> drafts[:, step]
-            tok = logits.argmax(-1)
-            if any_sampled:
-                q = self.sampler.probs(logits, params)  # [B, V]
-                sampled = [b for b, p in enumerate(params) if not p.greedy and step < wanted[b]]
-                if sampled:
-                    idx = torch.tensor(sampled, device=device)
-                    gens = [spans[b].request.generator for b in sampled]
-                    tok = tok.index_copy(0, idx, self.sampler.sample(q[idx], gens))
-                probs[step] = q
+    def _round_function(self, kv: KVManager, K: int, num_table_args: int) -> StepFunction:
+        key = (K, num_table_args)
+        if key not in self._rounds:
+
+            def greedy_round(*args: torch.Tensor) -> torch.Tensor:
+                return self.round(kv, K, None, *args)
+
+            self._rounds[key] = StepFunction(
+                greedy_round, f"draft-round-k{K}", compile=self._compile, cuda_graphs=self._cuda_graphs
+            )
+        return self._rounds[key]
+
+    def round(self, kv: KVManager, K: int, chooser: _SampledChooser | None, *args: torch.Tensor) -> torch.Tensor:
+        """One drafting round over staged tensors (see :meth:`propose`); tensor ops only when
+        ``chooser`` is None (greedy). Returns draft tokens [B, K]."""
+        model, P, D = self.model, self.lookahead, self.num_depths
+        hidden, slots, starts, lengths, gather, new_tail, ext, draft_at, wants = args[:9]
+        tables = args[9:]
+        B, T = gather.shape
+        device = hidden.device
+        rows = torch.arange(B, device=device)
+        j = torch.arange(T, device=device)
+        positions = starts[:, None] + torch.minimum(j[None, :], (lengths - 1).clamp(min=0)[:, None])  # [B, T]
+        valid = j[None, :] < lengths[:, None]  # [B, T]
+        last = (lengths - 1).clamp(min=0)  # [B]
+        src = torch.cat([self.tail[slots], hidden.to(self.tail.dtype)], dim=1)  # [B, P-1+Th, H]
+        g = src.gather(1, gather[:, :, None].expand(-1, -1, src.shape[-1]))  # [B, T, H]
+        if P > 1:
+            self.tail.index_copy_(0, slots, src.gather(1, new_tail[:, :, None].expand(-1, -1, src.shape[-1])))
+
+        def depth_tables(d: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+            groups = kv.group_indices(d)
+            at = 2 * sum(len(kv.group_indices(e)) for e in range(d))
+            return {gi: (tables[at + 2 * i], tables[at + 2 * i + 1]) for i, gi in enumerate(groups)}
+
+        tokens = torch.zeros(B, K, dtype=torch.long, device=device)
+
+        def choose(step: int, logits: torch.Tensor) -> None:  # logits [B, V] -> drafts[:, step], written into ext
+            tok = logits.argmax(-1) if chooser is None else chooser(step, logits)
             tokens[:, step] = tok
-            if keep_logits:
-                logits_kept[step] = logits.float()
-            at = (draft_at + step).clamp(max=T + k - 1)
-            ext[rows, at] = torch.where(want_dev > step, tok, ext[rows, at])
+            at = (draft_at + step).clamp(max=ext.shape[1] - 1)
+            ext[rows, at] = torch.where(wants > step, tok, ext[rows, at])
 
-        # ---- prefill steps: depth s over the whole span
+        # ---- prefill steps: depth s over the whole span (every round, so each depth's cache stays whole)
         for s in range(P):
-            cache = kv.draft_cache(s, rids, positions, valid)
-            g = run(model.mtp_step, s, g, ext[:, s : s + T], positions, cache)  # [B, T, H]
-            if most > s:
-                choose(s, run(model.logits, g[rows, last]))
+            cache = kv.caches_from(depth_tables(s), positions, valid, draft_depth=s)[0]
+            g = model.mtp_step(s, g, ext[:, s : s + T], positions, cache)  # [B, T, H]
+            if s < K:
+                choose(s, model.logits(g[rows, last]))
 
-        # ---- decode steps (k > D): one position per step, depth s % D
-        if most > P:
-            for b, span in enumerate(spans):
-                if wanted[b] > P:
-                    kv.invalidate_draft(span.request.id, ends[b] + 1, ends[b] + 1 + wanted[b] - P)
+        # ---- decode steps (k > D): one position per step, depth s % D; positions this round skips are
+        # forgotten first, so every draft is a pure function of the committed tokens and earlier drafts
+        if K > P:
+            ends = (starts + lengths - 1)[:, None]  # [B, 1]
+            gap = ends + 1 + torch.arange(K - P, device=device)[None, :]  # [B, K - P]
+            for d in range(D):
+                kv.forget_from(depth_tables(d), gap, gap - ends <= (wants - P)[:, None])
             g_last = g[rows, last][:, None]  # [B, 1, H]
-            ends_t = torch.tensor(ends, device=device)
-            for s in range(P, min(k, most)):
-                active = (want_dev > s)[:, None]  # [B, 1]
-                pos = (ends_t + (s - P + 1))[:, None]  # [B, 1]
-                cache = kv.draft_cache(s % D, rids, pos, active)
-                g_last = run(model.mtp_step, s % D, g_last, tokens[:, s - 1 : s], pos, cache)
-                choose(s, run(model.logits, g_last[:, 0]))
+            for s in range(P, K):
+                pos = ends + (s - P + 1)  # [B, 1]
+                active = (wants > s)[:, None]  # [B, 1]
+                cache = kv.caches_from(depth_tables(s % D), pos, active, draft_depth=s % D)[0]
+                g_last = model.mtp_step(s % D, g_last, tokens[:, s - 1 : s], pos, cache)
+                choose(s, model.logits(g_last[:, 0]))
+        return tokens
 
-        num = want.clamp(max=k).to(device)
-        q_all = None
-        if any(p is not None for p in probs):
-            V = next(p for p in probs if p is not None).shape[-1]
-            q_all = torch.stack(
-                [p if p is not None else F.one_hot(tokens[:, i], V).float() for i, p in enumerate(probs)], dim=1
-            )  # [B, k, V]
-            greedy_rows = torch.tensor([p.greedy for p in params], device=device)
-            q_all = torch.where(greedy_rows[:, None, None], F.one_hot(tokens, V).float(), q_all)
-        logits_all = None
-        if keep_logits and any(x is not None for x in logits_kept):
-            like = next(x for x in logits_kept if x is not None)
-            logits_all = torch.stack([x if x is not None else torch.zeros_like(like) for x in logits_kept], dim=1)
-        return Drafts(tokens, num, q_all, logits_all)
+
+class _SampledChooser:
+    """Draft choice for batches with sampled requests (eager): argmax for greedy rows, a draw
+    from the request's generator for sampled rows; keeps q (and raw logits when asked)."""
+
+    def __init__(self, sampler: TokenSampler, spans: Sequence[DraftSpan], wants: list[int], keep_logits: bool, pad: int):
+        self.sampler, self.keep_logits = sampler, keep_logits
+        self.params = [s.request.sampling for s in spans] + [spans[0].request.sampling] * pad
+        self.generators = [s.request.generator for s in spans]
+        self.wants = wants
+        self.any_sampled = any(not p.greedy for p in self.params)
+        self.probs: dict[int, torch.Tensor] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+
+    def __call__(self, step: int, logits: torch.Tensor) -> torch.Tensor:
+        tok = logits.argmax(-1)
+        if self.keep_logits:
+            self.logits[step] = logits.float()
+        if self.any_sampled:
+            q = self.sampler.probs(logits, self.params)  # [B, V]
+            sampled = [b for b, p in enumerate(self.params[: len(self.generators)]) if not p.greedy and step < self.wants[b]]
+            if sampled:
+                idx = torch.tensor(sampled, device=logits.device)
+                draws = self.sampler.sample(q[idx], [self.generators[b] for b in sampled])
+                tok = tok.index_copy(0, idx, draws)
+            self.probs[step] = q
+        return tok
+
+    def stacked_probs(self, tokens: torch.Tensor) -> torch.Tensor:
+        """q [B, K, V]: the processed distribution of each draft, one-hot for greedy rows."""
+        V = next(iter(self.probs.values())).shape[-1]
+        one_hot = F.one_hot(tokens, V).float()  # [B, K, V]
+        q = torch.stack([self.probs.get(i, one_hot[:, i]) for i in range(tokens.shape[1])], dim=1)
+        greedy_rows = torch.tensor([p.greedy for p in self.params], device=tokens.device)
+        return torch.where(greedy_rows[:, None, None], one_hot, q)
+
+    def stacked_logits(self) -> torch.Tensor | None:
+        if not self.logits:
+            return None
+        like = next(iter(self.logits.values()))
+        K = max(self.logits) + 1
+        return torch.stack([self.logits.get(i, torch.zeros_like(like)) for i in range(K)], dim=1)

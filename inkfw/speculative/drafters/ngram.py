@@ -38,16 +38,23 @@ class NgramDrafter:
         self.num_tokens, self.min_n, self.max_n = num_tokens, min_n, max_n
 
     def propose(
-        self, spans: Sequence[DraftSpan], kv: KVManager, run: ForwardRunner = run_directly, keep_logits: bool = False
+        self,
+        spans: Sequence[DraftSpan],
+        kv: KVManager,
+        run: ForwardRunner = run_directly,
+        keep_logits: bool = False,
+        pad_to: int | None = None,
+        num_tokens: int | None = None,
     ) -> Drafts:
-        k = self.num_tokens
+        """Host-side lookup: ``pad_to`` changes nothing (no forward runs); ``num_tokens`` caps k."""
+        k = self.num_tokens if num_tokens is None else num_tokens
         tokens = torch.zeros(len(spans), k, dtype=torch.long)
-        num = torch.zeros(len(spans), dtype=torch.long)
+        counts = []
         for b, span in enumerate(spans):
             found = lookup(span.request.token_ids, min(k, span.num_drafts), self.min_n, self.max_n)
             tokens[b, : len(found)] = torch.tensor(found, dtype=torch.long)
-            num[b] = len(found)
-        return Drafts(tokens, num)
+            counts.append(len(found))
+        return Drafts(tokens, torch.tensor(counts, dtype=torch.long), counts=counts)
 
     def release(self, rid: Hashable) -> None:
         pass

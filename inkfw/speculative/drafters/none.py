@@ -18,9 +18,17 @@ class NoDrafter:
         pass
 
     def propose(
-        self, spans: Sequence[DraftSpan], kv: KVManager, run: ForwardRunner = run_directly, keep_logits: bool = False
+        self,
+        spans: Sequence[DraftSpan],
+        kv: KVManager,
+        run: ForwardRunner = run_directly,
+        keep_logits: bool = False,
+        pad_to: int | None = None,
+        num_tokens: int | None = None,
     ) -> Drafts:
-        return Drafts.empty(len(spans))
+        drafts = Drafts.empty(len(spans))
+        drafts.counts = [0] * len(spans)
+        return drafts
 
     def release(self, rid: Hashable) -> None:
         pass

@@ -1,0 +1,153 @@
+"""Adaptive number of draft tokens (``spec.num_tokens=auto``): each engine step and batch bucket,
+pick the k in 0..max_k that maximises expected tokens per second.
+
+* **Acceptance.** ``alpha_i`` estimates the conditional acceptance of draft position i
+  (docs/design.md §6): P(draft i accepted | drafts 1..i-1 accepted). A verify step of a request
+  with ``n`` drafts and ``a`` accepted *saw* positions 1..min(a+1, n) and *accepted* 1..a. Counts
+  are exponentially decayed: a position's old counts are multiplied by ``decay`` at each
+  :meth:`AdaptiveK.observe` call that sees it, so an estimate follows roughly the last
+  ``1 / (1 - decay)`` steps that reached it. A prior of ``prior_weight`` pseudo-steps at
+  ``prior_acceptance`` keeps early estimates sane: ``alpha_i = (acc_i + w p) / (seen_i + w)``.
+* **Expected tokens** of one request at k: ``E(k) = 1 + sum_{i=1..k} prod_{j<=i} alpha_j``
+  (``E(0) = 1``: the bonus token).
+* **Cost.** ``step_s[k]``: seconds of one whole decode step (verify + drafting) at a batch bucket
+  with k drafts, measured at warm-up (:meth:`AdaptiveK.set_costs`). A bucket without measured costs
+  uses the model ``step_s[k] = 1 + fallback_draft_cost * k`` (relative units; drafting and the
+  wider verify each cost a fixed fraction of a plain step).
+* **Choice.** ``argmax_k bucket * E(k) / step_s[k]``; ties go to the smaller k.
+* **Probing.** Positions beyond the chosen k are never observed, so their estimates go stale.
+  Every ``probe_every``-th :meth:`AdaptiveK.choose` call of a bucket (steps probe_every,
+  2 probe_every, ...) returns max_k instead, so every position keeps being measured. Deterministic;
+  ``probe_every=0`` switches it off.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from inkfw.errors import ConfigError
+
+
+class AdaptiveK:
+    """Chooses the number of draft tokens per engine step and batch bucket (see the module doc)."""
+
+    def __init__(
+        self,
+        max_k: int,
+        prior_acceptance: float = 0.7,
+        prior_weight: float = 2.0,
+        decay: float = 0.99,
+        probe_every: int = 32,
+        fallback_draft_cost: float = 0.1,
+    ) -> None:
+        if max_k < 0:
+            raise ConfigError(f"max_k must be >= 0, got {max_k}.")
+        if not 0.0 <= prior_acceptance <= 1.0 or prior_weight <= 0:
+            raise ConfigError(
+                f"need 0 <= prior_acceptance <= 1 and prior_weight > 0, got {prior_acceptance} and {prior_weight}."
+            )
+        if not 0.0 < decay <= 1.0:
+            raise ConfigError(f"decay must be in (0, 1], got {decay}.")
+        if probe_every < 0:
+            raise ConfigError(f"probe_every must be >= 0 (0: never probe), got {probe_every}.")
+        if not fallback_draft_cost >= 0:
+            raise ConfigError(f"fallback_draft_cost must be >= 0, got {fallback_draft_cost}.")
+        self.max_k = max_k
+        self.prior_acceptance = prior_acceptance
+        self.prior_weight = prior_weight
+        self.decay = decay
+        self.probe_every = probe_every
+        self.fallback_draft_cost = fallback_draft_cost
+        self.seen = [0.0] * max_k  # [i]: decayed count of steps that reached draft position i+1
+        self.accepted = [0.0] * max_k  # [i]: decayed count of those that accepted it
+        self.costs: dict[int, list[float]] = {}  # bucket -> step_s[0..max_k]
+        self.steps: Counter[int] = Counter()  # bucket -> choose() calls
+        self.chosen: Counter[int] = Counter()  # k -> times chosen (probes included)
+        self.probes = 0
+
+    def observe(self, num_drafts: Sequence[int], num_accepted: Sequence[int]) -> None:
+        """Record one verify step: per request, ``num_drafts`` drafted and the first
+        ``num_accepted`` of them accepted (host ints, ``0 <= a <= n <= max_k``)."""
+        if len(num_drafts) != len(num_accepted):
+            raise ValueError(f"{len(num_drafts)} num_drafts but {len(num_accepted)} num_accepted")
+        seen, accepted = [0] * self.max_k, [0] * self.max_k
+        for n, a in zip(num_drafts, num_accepted):
+            if not 0 <= a <= n <= self.max_k:
+                raise ValueError(f"need 0 <= num_accepted <= num_drafts <= {self.max_k}, got {a} and {n}")
+            for i in range(min(a + 1, n)):
+                seen[i] += 1
+                accepted[i] += i < a
+        for i in range(self.max_k):
+            if seen[i]:
+                self.seen[i] = self.decay * self.seen[i] + seen[i]
+                self.accepted[i] = self.decay * self.accepted[i] + accepted[i]
+
+    def acceptance(self) -> list[float]:
+        """Conditional acceptance estimates ``alpha_1..alpha_max_k`` (docs/design.md §6)."""
+        w, p = self.prior_weight, self.prior_acceptance
+        return [(acc + w * p) / (seen + w) for acc, seen in zip(self.accepted, self.seen)]
+
+    def expected_tokens(self, k: int) -> float:
+        """``E(k)``: expected tokens one request emits per step with k drafts."""
+        total, chain = 1.0, 1.0
+        for alpha in self.acceptance()[:k]:
+            chain *= alpha
+            total += chain
+        return total
+
+    def set_costs(self, bucket: int, step_s: Sequence[float]) -> None:
+        """Measured seconds of one whole decode step at batch ``bucket`` with k drafts, k = 0..max_k."""
+        values = [float(s) for s in step_s]
+        if bucket < 1 or len(values) != self.max_k + 1 or not all(math.isfinite(s) and s > 0 for s in values):
+            raise ConfigError(
+                f"step costs need a bucket >= 1 and {self.max_k + 1} finite positive seconds (k = 0..{self.max_k}), "
+                f"got bucket {bucket} and {values}."
+            )
+        self.costs[bucket] = values
+
+    def has_costs(self, bucket: int) -> bool:
+        return bucket in self.costs
+
+    def step_costs(self, bucket: int) -> list[float]:
+        """Measured ``step_s[0..max_k]`` of ``bucket``, or the fallback model's relative costs."""
+        if bucket in self.costs:
+            return self.costs[bucket]
+        return [1.0 + self.fallback_draft_cost * k for k in range(self.max_k + 1)]
+
+    def best_k(self, bucket: int) -> int:
+        """The k maximising expected tokens/s at ``bucket`` now (no probing, nothing recorded)."""
+        step_s = self.step_costs(bucket)
+        rates = [bucket * self.expected_tokens(k) / step_s[k] for k in range(self.max_k + 1)]  # tokens/s
+        return max(range(self.max_k + 1), key=lambda k: (rates[k], -k))
+
+    def choose(self, bucket: int) -> int:
+        """k for this engine step at ``bucket``: :meth:`best_k`, or max_k on a probe step."""
+        self.steps[bucket] += 1
+        if self.probe_every and self.steps[bucket] % self.probe_every == 0:
+            self.probes += 1
+            k = self.max_k
+        else:
+            k = self.best_k(bucket)
+        self.chosen[k] += 1
+        return k
+
+    def predicted_speedup(self, bucket: int, k: int) -> float:
+        """Predicted tokens/s at k over plain decoding: ``(E(k) / step_s[k]) / (1 / step_s[0])``."""
+        step_s = self.step_costs(bucket)
+        return self.expected_tokens(k) / step_s[k] * step_s[0]
+
+    def summary(self) -> dict[str, Any]:
+        """Plain JSON-able dict for the metrics (dict keys are strings)."""
+        return {
+            "max_k": self.max_k,
+            "acceptance": self.acceptance(),
+            "expected_tokens": [self.expected_tokens(k) for k in range(self.max_k + 1)],
+            "chosen": {str(k): n for k, n in sorted(self.chosen.items())},
+            "probes": self.probes,
+            "probe_every": self.probe_every,
+            "costs": {str(b): list(c) for b, c in sorted(self.costs.items())},
+            "best_k": {str(b): self.best_k(b) for b in sorted(self.costs)},
+        }

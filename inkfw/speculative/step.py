@@ -1,0 +1,123 @@
+"""What makes the decode step static: batch buckets, persistent input buffers, compiled and
+graph-captured step functions (docs/design.md §5).
+
+* **Buckets.** A decode batch of ``n`` requests runs padded to the smallest bucket >= n
+  (``engine.batch_buckets``); padding rows write the caches' scratch slots and are never read.
+  Block tables are padded to a power-of-two width, so shapes change only when a context
+  doubles.
+* **Persistent inputs.** :class:`StepBuffers` keeps one device tensor per input name and shape;
+  the host copies each step's values into it (host -> device only). Step after step of one
+  bucket, the step functions see the same tensors (same ``data_ptr``): what CUDA-graph replay
+  needs.
+* **Step functions.** :class:`StepFunction` runs a function of tensors eagerly, through
+  ``torch.compile`` (``engine.compile``), or, on CUDA, replays a CUDA graph captured per input
+  shape (``engine.cuda_graphs``). The functions read nothing back to the host, so none of this
+  changes what they compute.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
+
+
+def bucket_for(n: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket >= ``n`` (``n`` itself when it exceeds every bucket)."""
+    for b in sorted(buckets):
+        if b >= n:
+            return b
+    return n
+
+
+def table_width(blocks: int) -> int:
+    """Block-table width for a row that needs ``blocks`` blocks: the next power of two."""
+    return 1 << max(0, blocks - 1).bit_length()
+
+
+class StepBuffers:
+    """Persistent device tensors, one per (name, shape, dtype), refilled from host values."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self._buffers: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor] = {}
+
+    def stage(self, name: str, values: Any, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        """The persistent tensor for ``name`` holding ``values`` (nested lists or a host tensor)."""
+        host = torch.as_tensor(values, dtype=dtype)
+        key = (name, tuple(host.shape), dtype)
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = self._buffers[key] = torch.empty(host.shape, dtype=dtype, device=self.device)
+        buf.copy_(host, non_blocking=self.device.type == "cuda")
+        return buf
+
+    def __len__(self) -> int:
+        return len(self._buffers)
+
+
+def _raise_recompile_limit(limit: int = 64) -> None:
+    """Each MTP depth and batch bucket is its own specialisation of the same code: let dynamo keep
+    them all rather than fall back to eager after the default 8."""
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(config, name) and getattr(config, name) < limit:
+            setattr(config, name, limit)
+
+
+class StepFunction:
+    """``fn(*tensors) -> tensor or tuple of tensors`` run eagerly, compiled, or as CUDA graphs.
+
+    ``compile``: wrap ``fn`` in ``torch.compile`` (dynamic shapes decided by dynamo: a second
+    shape makes the varying dimensions symbolic). ``cuda_graphs``: capture one graph per
+    tuple of input shapes on first use and replay it afterwards; the inputs must be the same
+    persistent tensors each time (:class:`StepBuffers`), and the outputs are the graph's own
+    tensors, overwritten by the next replay. ``warmup_s`` adds up compile and capture time.
+    """
+
+    def __init__(self, fn: Callable[..., Any], name: str, compile: bool = False, cuda_graphs: bool = False):
+        self.name = name
+        self.eager = fn
+        if compile:
+            _raise_recompile_limit()
+        self.fn = torch.compile(fn, fullgraph=True, dynamic=None) if compile else fn
+        self.compiled = compile
+        self.cuda_graphs = cuda_graphs
+        self._graphs: dict[tuple, tuple[Any, tuple[torch.Tensor, ...], Any]] = {}
+        self._seen: set[tuple] = set()
+        self.warmup_s = 0.0
+
+    def __call__(self, *args: torch.Tensor) -> Any:
+        key = tuple((tuple(a.shape), a.dtype, a.data_ptr()) for a in args)
+        if not self.cuda_graphs:
+            if self.compiled and key not in self._seen:  # first call of a shape: compiles
+                t = time.perf_counter()
+                out = self.fn(*args)
+                self.warmup_s += time.perf_counter() - t
+                self._seen.add(key)
+                return out
+            return self.fn(*args)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = self._capture(args)
+        graph[0].replay()
+        return graph[2]
+
+    def _capture(self, args: tuple[torch.Tensor, ...]) -> tuple[Any, tuple[torch.Tensor, ...], Any]:
+        t = time.perf_counter()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up runs (compile, allocator) off the capture
+            for _ in range(2):
+                self.fn(*args)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self.fn(*args)
+        torch.cuda.synchronize()
+        self.warmup_s += time.perf_counter() - t
+        return graph, args, out

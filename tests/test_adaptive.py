@@ -1,0 +1,210 @@
+"""Adaptive k (inkfw.speculative.adaptive.AdaptiveK): acceptance estimates, choice, probing."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from inkfw.errors import ConfigError
+from inkfw.speculative.adaptive import AdaptiveK
+
+
+def draw_steps(rng: random.Random, rates: list[float], k: int, batch: int) -> tuple[list[int], list[int]]:
+    """One verify step of ``batch`` requests drafting k tokens, draft i accepted with conditional
+    probability ``rates[i-1]`` given its predecessors."""
+    accepted = []
+    for _ in range(batch):
+        a = 0
+        while a < k and rng.random() < rates[a]:
+            a += 1
+        accepted.append(a)
+    return [k] * batch, accepted
+
+
+def brute_force_best(rates: list[float], step_s: list[float]) -> int:
+    """Best k from the true rates, by enumerating every chain outcome's probability."""
+    best, best_rate = 0, -1.0
+    for k in range(len(step_s)):
+        # P(exactly a accepted) for a = 0..k, tokens emitted = a + 1
+        tokens = 0.0
+        for a in range(k + 1):
+            p = math.prod(rates[:a]) * (1 - rates[a] if a < k else 1.0)
+            tokens += p * (a + 1)
+        if tokens / step_s[k] > best_rate + 1e-12:
+            best, best_rate = k, tokens / step_s[k]
+    return best
+
+
+def test_estimates_converge_to_true_conditional_rates():
+    rates = [0.9, 0.8, 0.6, 0.5, 0.3]
+    adaptive = AdaptiveK(max_k=5, decay=1.0)
+    rng = random.Random(0)
+    for _ in range(2000):
+        adaptive.observe(*draw_steps(rng, rates, k=5, batch=4))
+    for estimate, rate in zip(adaptive.acceptance(), rates):
+        assert estimate == pytest.approx(rate, abs=0.03)
+    expected = 1 + sum(math.prod(rates[: i + 1]) for i in range(5))
+    assert adaptive.expected_tokens(5) == pytest.approx(expected, abs=0.05)
+    assert adaptive.expected_tokens(0) == 1.0
+
+
+def test_observe_counts_seen_and_accepted_positions():
+    adaptive = AdaptiveK(max_k=4, prior_weight=1e-9, decay=1.0)
+    # rows: (n=4, a=1) sees 1,2 accepts 1; (n=2, a=2) sees 1,2 accepts 1,2; (n=3, a=0) sees 1
+    adaptive.observe([4, 2, 3, 0], [1, 2, 0, 0])
+    assert adaptive.seen == [3, 2, 0, 0]
+    assert adaptive.accepted == [2, 1, 0, 0]
+    assert adaptive.acceptance()[:2] == pytest.approx([2 / 3, 1 / 2])
+    # unseen positions keep the prior
+    assert adaptive.acceptance()[2:] == pytest.approx([0.7, 0.7])
+    with pytest.raises(ValueError):
+        adaptive.observe([2], [3])
+    with pytest.raises(ValueError):
+        adaptive.observe([5], [0])
+
+
+def test_decay_follows_a_change_in_acceptance():
+    adaptive = AdaptiveK(max_k=1, decay=0.9)
+    for _ in range(100):
+        adaptive.observe([1], [1])
+    assert adaptive.acceptance()[0] > 0.9
+    for _ in range(100):
+        adaptive.observe([1], [0])
+    # about the last 1 / (1 - decay) = 10 steps count, against a prior of 2 steps at 0.7
+    assert adaptive.acceptance()[0] == pytest.approx(1.4 / 12, abs=1e-3)
+
+
+def test_the_prior_keeps_early_choices_sane():
+    adaptive = AdaptiveK(max_k=3, prior_acceptance=0.5)
+    assert adaptive.acceptance() == [0.5, 0.5, 0.5]
+    assert adaptive.expected_tokens(3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+
+
+@pytest.mark.parametrize(
+    "rates, step_s",
+    [
+        # cheap drafting, verify cost flat in k (dispatch-bound batch 1): a long chain pays
+        ([0.9] * 8, [1.0 + 0.02 * k for k in range(9)]),
+        # verify grows steeply with k (compute-bound batch 16): plain decoding
+        ([0.6] * 8, [1.0 + 0.8 * k for k in range(9)]),
+        # a knee in the middle
+        ([0.95, 0.9, 0.7, 0.4, 0.3, 0.2, 0.1, 0.1], [1.0, 1.1, 1.2, 1.35, 1.6, 2.0, 2.5, 3.0, 3.5]),
+        # acceptance near 0: drafts never pay
+        ([0.01] * 8, [1.0 + 0.02 * k for k in range(9)]),
+        # quadratic verify cost
+        ([0.8] * 8, [1.0 + 0.05 * k * k for k in range(9)]),
+    ],
+)
+def test_choose_matches_brute_force(rates, step_s):
+    adaptive = AdaptiveK(max_k=8, decay=1.0, probe_every=0)
+    rng = random.Random(1)
+    for _ in range(3000):
+        adaptive.observe(*draw_steps(rng, rates, k=8, batch=4))
+    adaptive.set_costs(16, step_s)
+    best = brute_force_best(rates, step_s)
+    assert adaptive.choose(16) == best
+    assert adaptive.predicted_speedup(16, best) >= adaptive.predicted_speedup(16, 0)
+
+
+def test_extreme_cost_curves_give_the_extreme_k():
+    adaptive = AdaptiveK(max_k=8, probe_every=0)
+    adaptive.set_costs(1, [1.0 + 0.01 * k for k in range(9)])
+    adaptive.set_costs(16, [1.0 + k for k in range(9)])
+    assert adaptive.choose(1) == 8
+    assert adaptive.choose(16) == 0
+    for _ in range(50):
+        adaptive.observe([8] * 4, [0] * 4)
+    assert adaptive.choose(1) == 0
+    assert adaptive.chosen == {8: 1, 0: 2}
+
+
+def test_ties_go_to_the_smaller_k():
+    adaptive = AdaptiveK(max_k=2, prior_acceptance=1.0, probe_every=0)
+    adaptive.set_costs(1, [1.0, 2.0, 3.0])  # E(k) = 1 + k: the same tokens/s at every k
+    assert adaptive.best_k(1) == 0
+
+
+def test_without_costs_the_fallback_model_is_used():
+    adaptive = AdaptiveK(max_k=4, prior_acceptance=0.9, fallback_draft_cost=0.1, probe_every=0)
+    assert not adaptive.has_costs(4)
+    step_s = [1.0 + 0.1 * k for k in range(5)]
+    assert adaptive.choose(4) == brute_force_best([0.9] * 4, step_s)
+    assert adaptive.predicted_speedup(4, 2) == pytest.approx((1 + 0.9 + 0.81) / 1.2)
+
+
+def test_probing_happens_exactly_every_probe_every_steps_per_bucket():
+    adaptive = AdaptiveK(max_k=6, probe_every=5)
+    adaptive.set_costs(2, [1.0 + k for k in range(7)])  # best is 0
+    adaptive.set_costs(8, [1.0 + k for k in range(7)])
+    picks = [adaptive.choose(2) for _ in range(20)]
+    assert [i + 1 for i, k in enumerate(picks) if k == 6] == [5, 10, 15, 20]
+    assert all(k == 0 for i, k in enumerate(picks) if (i + 1) % 5)
+    # buckets count their steps separately
+    assert [adaptive.choose(8) for _ in range(5)] == [0, 0, 0, 0, 6]
+    assert adaptive.probes == 5
+    assert adaptive.chosen == {0: 20, 6: 5}
+
+
+def test_probing_can_be_switched_off():
+    adaptive = AdaptiveK(max_k=6, probe_every=0)
+    adaptive.set_costs(2, [1.0 + k for k in range(7)])
+    assert {adaptive.choose(2) for _ in range(100)} == {0}
+    assert adaptive.probes == 0
+
+
+@pytest.mark.parametrize("probe_every", [4, 0])
+def test_probes_refresh_long_positions(probe_every):
+    """Position 3 is rejected until k = 2 is chosen, then always accepted: only probes see that."""
+    adaptive = AdaptiveK(max_k=3, decay=0.9, probe_every=probe_every)
+    adaptive.set_costs(1, [1.0, 1.1, 1.2, 1.3])
+    for _ in range(100):
+        k = adaptive.choose(1)
+        adaptive.observe([k], [min(k, 2)])
+    assert adaptive.best_k(1) == 2
+    for _ in range(100):
+        k = adaptive.choose(1)
+        adaptive.observe([k], [k])
+    assert adaptive.best_k(1) == (3 if probe_every else 2)
+    assert (adaptive.acceptance()[2] > 0.9) == bool(probe_every)
+
+
+@pytest.mark.parametrize(
+    "bucket, step_s",
+    [
+        (1, [1.0, 1.0]),
+        (1, [1.0, 1.0, 1.0, 1.0]),
+        (1, [1.0, 0.0, 1.0]),
+        (1, [1.0, -1.0, 1.0]),
+        (1, [1.0, math.nan, 1.0]),
+        (0, [1.0, 1.0, 1.0]),
+    ],
+)
+def test_bad_costs_raise(bucket, step_s):
+    adaptive = AdaptiveK(max_k=2)
+    with pytest.raises(ConfigError, match="step costs"):
+        adaptive.set_costs(bucket, step_s)
+    assert not adaptive.has_costs(bucket)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"max_k": -1}, {"prior_acceptance": 1.5}, {"prior_weight": 0}, {"decay": 0}, {"probe_every": -1}]
+)
+def test_bad_settings_raise(kwargs):
+    with pytest.raises(ConfigError):
+        AdaptiveK(**{"max_k": 2, **kwargs})
+
+
+def test_summary_is_plain_json():
+    adaptive = AdaptiveK(max_k=2)
+    adaptive.set_costs(4, [1.0, 1.5, 2.0])
+    adaptive.observe([2, 2], [2, 1])
+    k = adaptive.choose(4)
+    summary = json.loads(json.dumps(adaptive.summary()))
+    assert summary["chosen"] == {str(k): 1}
+    assert summary["costs"] == {"4": [1.0, 1.5, 2.0]}
+    assert summary["acceptance"] == pytest.approx(adaptive.acceptance())
+    assert summary["expected_tokens"] == pytest.approx([adaptive.expected_tokens(j) for j in range(3)])
+    assert summary["best_k"] == {"4": adaptive.best_k(4)}
