@@ -509,9 +509,7 @@ class PagedKVManager:
         """The layer caches of a forward of ``positions`` [B, T] (``valid`` [B, T]: padding is
         False and writes the scratch block) from :meth:`step_tables`: one per target layer, or
         the one layer of MTP depth ``draft_depth``. Tensor ops only."""
-        views = {
-            gi: StepView(self.groups[gi], table, base, positions, valid) for gi, (table, base) in tables.items()
-        }
+        views = {gi: StepView(self.groups[gi], table, base, positions, valid) for gi, (table, base) in tables.items()}
         if draft_depth is not None:
             kv, conv = self.draft_layout[draft_depth]
             return [self._layer_cache(views[kv], self.groups[kv].layers[0], views[conv], self.groups[conv].layers[0])]

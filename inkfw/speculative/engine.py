@@ -417,12 +417,14 @@ class Engine:
                 assert s.hidden is not None
                 r.lag.append((s.hidden[: s.new_positions].clone(), s.new_positions))  # graph outputs get reused
             spans = [s for s in spans if all(s is not w for w in waiting)]
+            self.k_chosen[0] += 1
             k = 1 if spans else 0
         if not spans:
             return
         self.k_chosen[k] += 1
+        static = all(s.num_accepted is not None and cast(Request, s.request).lag_start is None for s in spans)
         spans = [_with_lag(s) for s in spans]
-        bucket = bucket_for(len(spans), self.config.batch_buckets)
+        bucket = bucket_for(len(spans), self.config.batch_buckets) if static else None  # decode rounds: static
         proposed = self.drafter.propose(
             spans, self.kv, self._run_draft, keep_logits=self.config.check_drafts, pad_to=bucket, num_tokens=k
         )

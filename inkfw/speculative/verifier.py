@@ -77,11 +77,14 @@ class TargetVerifier:
             width=table_width if pad_to is not None else (lambda n: n),
             stage=stage,
         )
+        # positions and validity come from the host too: computing positions inside a compiled
+        # graph that also writes the cache's slot tags miscompiled on CPU (torch 2.13 inductor)
         args = [
             stage("last", [r.token_ids[-1] for r in requests] + [0] * pad),
             stage("drafts", F.pad(drafts.tokens, (0, 0, 0, pad))),
             stage("num_drafts", num_drafts),
-            stage("starts", starts),
+            stage("positions", [[s + i for i in range(k + 1)] for s in starts]),
+            stage("valid", [[i <= n for i in range(k + 1)] for n in num_drafts], torch.bool),
         ]
         for table, base in tables.values():
             args += [table, base]
@@ -97,7 +100,7 @@ class TargetVerifier:
                 return self.forward(kv, *args)
 
             self._functions[num_groups] = StepFunction(
-                verify_step, "verify", compile=self._compile, cuda_graphs=self._cuda_graphs
+                verify_step, "verify", compile=self._compile, cuda_graphs=self._cuda_graphs, tables_from=5
             )
         return self._functions[num_groups]
 
@@ -107,16 +110,14 @@ class TargetVerifier:
         last: torch.Tensor,
         draft_tokens: torch.Tensor,
         num_drafts: torch.Tensor,
-        starts: torch.Tensor,
+        positions: torch.Tensor,
+        valid: torch.Tensor,
         *tables: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """last [B], draft_tokens [B, k], num_drafts [B] (-1: padding), starts [B] (L - 1), block
-        tables -> (hidden [B, k+1, H], logits [B, k+1, V], greedy num_accepted [B], greedy next [B])."""
-        k = draft_tokens.shape[1]
+        """last [B], draft_tokens [B, k], num_drafts [B] (-1: padding), positions [B, 1+k] (L - 1 ..),
+        valid [B, 1+k], block tables -> (hidden [B, 1+k, H], logits [B, 1+k, V], greedy
+        num_accepted [B], greedy next token [B])."""
         ids = torch.cat([last[:, None], draft_tokens], dim=1)  # [B, 1+k]
-        slots = torch.arange(k + 1, device=ids.device)
-        positions = starts[:, None] + slots  # [B, 1+k]
-        valid = slots[None, :] <= num_drafts[:, None]  # [B, 1+k]
         groups = kv.group_indices()
         views = {gi: (tables[2 * i], tables[2 * i + 1]) for i, gi in enumerate(groups)}
         hidden = self.model(ids, positions, kv.caches_from(views, positions, valid))  # [B, 1+k, H]

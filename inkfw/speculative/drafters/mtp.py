@@ -65,7 +65,9 @@ class MtpDrafter:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self._rows: dict[Hashable, _RowState] = {}
-        self.tail = torch.zeros(1, max(0, self.lookahead - 1), model.cfg.hidden_size, dtype=self.dtype, device=self.device)
+        self.tail = torch.zeros(
+            1, max(0, self.lookahead - 1), model.cfg.hidden_size, dtype=self.dtype, device=self.device
+        )
         self.buffers = StepBuffers(self.device)
         self._compile = self._cuda_graphs = False
         self._rounds: dict[tuple[int, int], StepFunction] = {}
@@ -108,7 +110,9 @@ class MtpDrafter:
     ) -> Drafts:
         """Drafts for ``spans`` (docs/design.md §2): ``num_tokens`` (default k) per row at most,
         in a batch padded to ``pad_to`` rows (padding rows compute and write nothing that is
-        read). Returns the first ``len(spans)`` rows."""
+        read). ``pad_to`` also marks the round static (spans of one verify step each): only
+        those run compiled or as CUDA graphs; others (after prefill chunks) run eagerly.
+        Returns the first ``len(spans)`` rows."""
         P, D = self.lookahead, self.num_depths
         K = self.num_tokens if num_tokens is None else num_tokens
         B = max(len(spans), pad_to or 0)
@@ -159,10 +163,16 @@ class MtpDrafter:
         )  # [B, Th, H]
 
         stage = self.buffers.stage
+        # every position is computed here on the host: positions computed inside a compiled graph
+        # that also writes the cache's slot tags miscompiled on CPU (torch 2.13 inductor)
+        n_dec = max(0, K - P)
         rows_t = [
             stage("slots", slots),
-            stage("starts", starts),
-            stage("lengths", lengths),
+            stage("positions", [[s + min(j, max(n - 1, 0)) for j in range(T)] for s, n in zip(starts, lengths)]),
+            stage("valid", [[j < n for j in range(T)] for n in lengths], torch.bool),
+            stage("last", [max(n - 1, 0) for n in lengths]),
+            stage("decode_positions", [[e + 1 + i for i in range(n_dec)] for e in ends]),
+            stage("decode_valid", [[i < w - P for i in range(n_dec)] for w in wants], torch.bool),
             stage("gather", gather),
             stage("new_tail", new_tail if P > 1 else [[] for _ in range(B)]),
             stage("ext", ext),
@@ -181,9 +191,16 @@ class MtpDrafter:
 
         params = [s.request.sampling for s in spans]
         greedy = all(p.greedy for p in params)
-        if greedy and not keep_logits:
+        if greedy and not keep_logits and pad_to is not None:  # a static round: compiled / graph-captured
             tokens = run(self._round_function(kv, K, len(table_args)), *args)
-            return Drafts(tokens[: len(spans)], torch.tensor(wants[: len(spans)], device=self.device), counts=wants[: len(spans)])
+            return Drafts(
+                tokens[: len(spans)], torch.tensor(wants[: len(spans)], device=self.device), counts=wants[: len(spans)]
+            )
+        if greedy and not keep_logits:
+            tokens = run(self.round, kv, K, None, *args)
+            return Drafts(
+                tokens[: len(spans)], torch.tensor(wants[: len(spans)], device=self.device), counts=wants[: len(spans)]
+            )
         chooser = _SampledChooser(self.sampler, spans, wants, keep_logits, pad)
         tokens = run(self.round, kv, K, chooser, *args)
         probs = chooser.stacked_probs(tokens) if not greedy else None
@@ -205,7 +222,11 @@ class MtpDrafter:
                 return self.round(kv, K, None, *args)
 
             self._rounds[key] = StepFunction(
-                greedy_round, f"draft-round-k{K}", compile=self._compile, cuda_graphs=self._cuda_graphs
+                greedy_round,
+                f"draft-round-k{K}",
+                compile=self._compile,
+                cuda_graphs=self._cuda_graphs,
+                tables_from=12,
             )
         return self._rounds[key]
 
@@ -213,15 +234,24 @@ class MtpDrafter:
         """One drafting round over staged tensors (see :meth:`propose`); tensor ops only when
         ``chooser`` is None (greedy). Returns draft tokens [B, K]."""
         model, P, D = self.model, self.lookahead, self.num_depths
-        hidden, slots, starts, lengths, gather, new_tail, ext, draft_at, wants = args[:9]
-        tables = args[9:]
-        B, T = gather.shape
+        (
+            hidden,
+            slots,
+            positions,
+            valid,
+            last,
+            decode_positions,
+            decode_valid,
+            gather,
+            new_tail,
+            ext,
+            draft_at,
+            wants,
+        ) = args[:12]
+        tables = args[12:]
+        B, T = gather.shape  # positions, valid [B, T]; last [B]: the span's last row
         device = hidden.device
         rows = torch.arange(B, device=device)
-        j = torch.arange(T, device=device)
-        positions = starts[:, None] + torch.minimum(j[None, :], (lengths - 1).clamp(min=0)[:, None])  # [B, T]
-        valid = j[None, :] < lengths[:, None]  # [B, T]
-        last = (lengths - 1).clamp(min=0)  # [B]
         src = torch.cat([self.tail[slots], hidden.to(self.tail.dtype)], dim=1)  # [B, P-1+Th, H]
         g = src.gather(1, gather[:, :, None].expand(-1, -1, src.shape[-1]))  # [B, T, H]
         if P > 1:
@@ -250,14 +280,12 @@ class MtpDrafter:
         # ---- decode steps (k > D): one position per step, depth s % D; positions this round skips are
         # forgotten first, so every draft is a pure function of the committed tokens and earlier drafts
         if K > P:
-            ends = (starts + lengths - 1)[:, None]  # [B, 1]
-            gap = ends + 1 + torch.arange(K - P, device=device)[None, :]  # [B, K - P]
-            for d in range(D):
-                kv.forget_from(depth_tables(d), gap, gap - ends <= (wants - P)[:, None])
+            for d in range(D):  # decode_positions [B, K - P]: after the span's end; valid where drafted
+                kv.forget_from(depth_tables(d), decode_positions, decode_valid)
             g_last = g[rows, last][:, None]  # [B, 1, H]
             for s in range(P, K):
-                pos = ends + (s - P + 1)  # [B, 1]
-                active = (wants > s)[:, None]  # [B, 1]
+                pos = decode_positions[:, s - P : s - P + 1]  # [B, 1]
+                active = decode_valid[:, s - P : s - P + 1]  # [B, 1]: wants > s
                 cache = kv.caches_from(depth_tables(s % D), pos, active, draft_depth=s % D)[0]
                 g_last = model.mtp_step(s % D, g_last, tokens[:, s - 1 : s], pos, cache)
                 choose(s, model.logits(g_last[:, 0]))
@@ -268,7 +296,9 @@ class _SampledChooser:
     """Draft choice for batches with sampled requests (eager): argmax for greedy rows, a draw
     from the request's generator for sampled rows; keeps q (and raw logits when asked)."""
 
-    def __init__(self, sampler: TokenSampler, spans: Sequence[DraftSpan], wants: list[int], keep_logits: bool, pad: int):
+    def __init__(
+        self, sampler: TokenSampler, spans: Sequence[DraftSpan], wants: list[int], keep_logits: bool, pad: int
+    ):
         self.sampler, self.keep_logits = sampler, keep_logits
         self.params = [s.request.sampling for s in spans] + [spans[0].request.sampling] * pad
         self.generators = [s.request.generator for s in spans]
@@ -283,7 +313,9 @@ class _SampledChooser:
             self.logits[step] = logits.float()
         if self.any_sampled:
             q = self.sampler.probs(logits, self.params)  # [B, V]
-            sampled = [b for b, p in enumerate(self.params[: len(self.generators)]) if not p.greedy and step < self.wants[b]]
+            sampled = [
+                b for b, p in enumerate(self.params[: len(self.generators)]) if not p.greedy and step < self.wants[b]
+            ]
             if sampled:
                 idx = torch.tensor(sampled, device=logits.device)
                 draws = self.sampler.sample(q[idx], [self.generators[b] for b in sampled])
