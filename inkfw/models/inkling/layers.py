@@ -147,7 +147,9 @@ class AttentionTerms:
         distance = self.positions[:, :, None] - key_positions[:, None, :]  # [B, T, S]
         B, T, S = distance.shape
         columns = relative_bias_columns(distance, extent, window)[:, None].expand(B, heads, T, S)
-        tail = torch.tensor([0.0, float("-inf")], dtype=dtype, device=distance.device).expand(B, heads, T, 2)
+        tail = torch.zeros(2, dtype=dtype, device=distance.device)  # no host values: CUDA-graph capturable
+        tail[1] = float("-inf")
+        tail = tail.expand(B, heads, T, 2)
         self._columns.append((key_positions, extent, window, heads, dtype, columns, tail))
         return columns, tail
 
