@@ -149,6 +149,7 @@ def one_token_forwards(model, context: int = 32, seed: int = 0) -> dict[str, Cal
     """
     from inkfw.cache.dense import DenseModelCache
     from inkfw.cache.paged import PagedKVManager
+    from inkfw.speculative.step import table_width
 
     param = next(model.parameters())
     device = param.device
@@ -166,12 +167,17 @@ def one_token_forwards(model, context: int = 32, seed: int = 0) -> dict[str, Cal
     with torch.no_grad():
         model(prompt[:, :context], prefix_positions, dense.layers)
         model(prompt[:, :context], prefix_positions, kv.target_caches(["r"], prefix_positions, valid_prefix))
-    views = kv.target_caches(["r"], positions, valid)
+
+    def paged_views():  # as the verifier builds them: block tables from host values, views from tensors
+        tables = kv.step_tables(kv.group_indices(), ["r"], [context], [context + 1], width=table_width)
+        return kv.caches_from(tables, positions, valid)
+
+    views = paged_views()
 
     return {
         "uncached": lambda: model(ids, positions),
         "dense": lambda: model(ids, positions, dense.layers),
-        "paged": lambda: model(ids, positions, kv.target_caches(["r"], positions, valid)),
+        "paged": lambda: model(ids, positions, paged_views()),
         "paged_model": lambda: model(ids, positions, views),
     }
 

@@ -196,7 +196,12 @@ class TokenSampler(Protocol):
     def sample(self, probs: torch.Tensor, generators: Generators = None) -> torch.Tensor: ...
 
     def acceptance_draws(
-        self, generators: Generators, num_drafts: torch.Tensor, width: int, vocab: int, device: torch.device | str
+        self,
+        generators: Generators,
+        num_drafts: torch.Tensor | Sequence[int],
+        width: int,
+        vocab: int,
+        device: torch.device | str,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def __call__(
@@ -246,4 +251,11 @@ class Verifier(Protocol):
     ``model`` and ``sampler``.
     """
 
-    def verify(self, kv: KVManager, requests: Sequence[RequestLike], drafts: Drafts, run: ForwardRunner) -> Verdict: ...
+    def verify(
+        self,
+        kv: KVManager,
+        requests: Sequence[RequestLike],
+        drafts: Drafts,
+        run: ForwardRunner,
+        pad_to: int | None = None,
+    ) -> Verdict: ...  # pad_to: rows of a static batch bucket (padding rows write only scratch slots)

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from inkfw.models.inkling.layers import static_moe
+
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
 
 
@@ -36,7 +38,7 @@ def bucket_for(n: int, buckets: Sequence[int]) -> int:
 
 # Serving never swaps a module's weights under a compiled step, so skip guarding every parameter
 # (the guards cost about 1 ms per call on the shipped checkpoint); the cache pools stay guarded.
-_COMPILE_OPTIONS = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+_COMPILE_OPTIONS: dict[str, Any] = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
 MIN_TABLE_WIDTH = 4  # blocks: short contexts share one shape
 
 
@@ -96,7 +98,11 @@ class StepFunction:
         self.eager = fn
         if compile:
             _raise_recompile_limit()
-        self.fn = torch.compile(fn, fullgraph=True, dynamic=None, options=_COMPILE_OPTIONS) if compile else fn
+        self.fn = (
+            torch.compile(fn, fullgraph=True, dynamic=None, options=_COMPILE_OPTIONS)  # type: ignore[call-overload]
+            if compile
+            else fn
+        )
         self.compiled = compile
         self.cuda_graphs = cuda_graphs
         self._graphs: dict[tuple, tuple[Any, tuple[torch.Tensor, ...], Any]] = {}
@@ -104,6 +110,10 @@ class StepFunction:
         self.warmup_s = 0.0
 
     def __call__(self, *args: torch.Tensor) -> Any:
+        with static_moe():  # no MoE host reads, whatever the batch: static shapes throughout
+            return self._call(args)
+
+    def _call(self, args: tuple[torch.Tensor, ...]) -> Any:
         key = tuple((tuple(a.shape), a.dtype, a.data_ptr()) for a in args)
         if not self.cuda_graphs:
             if self.compiled and key not in self._seen:  # first call of a shape: compiles

@@ -12,6 +12,8 @@ static-shape paths for small token counts).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -274,6 +276,21 @@ class Router(nn.Module):
         return expert_ids, routed_weights, gammas
 
 
+_STATIC_MOE = [False]  # inside static_moe()
+
+
+@contextmanager
+def static_moe() -> Iterator[None]:
+    """Within this block every MoE takes a static-shape path (no host read), whatever its token
+    count: the engine's decode step runs in it (docs/design.md §5)."""
+    before = _STATIC_MOE[0]
+    _STATIC_MOE[0] = True
+    try:
+        yield
+    finally:
+        _STATIC_MOE[0] = before
+
+
 class MoE(nn.Module):
     """Routed experts (top-k of ``n_routed_experts``) plus always-on shared experts weighted by gammas.
 
@@ -309,13 +326,16 @@ class MoE(nn.Module):
         self.shared_down = nn.Parameter(torch.zeros(s, h, i))
 
     def path_for(self, num_tokens: int, on_cuda: bool = False) -> str:
-        """Which computation ``num_tokens`` tokens take: ``gathered``, ``dense`` or ``grouped``."""
-        if num_tokens > self.static_max_tokens:
+        """Which computation ``num_tokens`` tokens take: ``gathered``, ``dense`` or ``grouped``.
+        Inside :func:`static_moe` (the engine's decode step) and under ``torch.compile`` only the
+        static paths are taken, whatever the token count."""
+        static = _STATIC_MOE[0] or torch.compiler.is_compiling()
+        if num_tokens > self.static_max_tokens and not static:
             return "grouped"
         experts, top_k = self.experts_gate_up.shape[0], self.router.top_k
         if 2 * num_tokens * top_k < experts:
             return "gathered"
-        if experts <= 2 * top_k or on_cuda or torch.compiler.is_compiling():
+        if experts <= 2 * top_k or on_cuda or static:
             return "dense"
         # eager on the CPU with many experts: running every expert on every token costs more than
         # the grouped path's host read, which is cheap there (inkling-bench at batch 16: 6.7x slower)

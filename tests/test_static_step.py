@@ -1,0 +1,435 @@
+"""The static, sync-free decode step (docs/design.md §5): one device->host read per decode step,
+persistent step inputs (same ``data_ptr`` step after step of one bucket), batches padded to
+buckets with unchanged greedy output, ``engine.compile`` equal to eager with no graph breaks,
+adaptive k (``spec.num_tokens=auto``) including its lagged catch-up, and a warm-up that leaves
+the engine as it found it."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Sequence
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from helpers.engine import (  # noqa: F401
+    NO_DRAFTER,
+    generate,
+    make_engine,
+    mtp,
+    ngram,
+    one_thread,
+    outputs,
+    spec_model,
+)
+from inkfw.models.inkling.layers import MoE
+from inkfw.profiling import count_host_reads
+from inkfw.speculative.adaptive import AdaptiveK
+from inkfw.speculative.drafters.mtp import MtpDrafter
+from inkfw.speculative.engine import Engine, Request
+from inkfw.speculative.sampling import SamplingParams
+from inkfw.speculative.step import DEFAULT_BUCKETS, StepFunction, bucket_for
+from inkfw.speculative.verifier import TargetVerifier
+
+VOCAB = 120  # logits vocabulary of spec_model()
+AUTO = ["drafter=mtp", "mtp.depths=2", "spec.num_tokens=auto"]  # adaptive k, k_max = D = 2
+
+
+@pytest.fixture(scope="module")
+def model():
+    """6 routed experts, top-2: eager on the CPU, outside the decode step, the MoE of 2+ tokens
+    takes its grouped path, which reads its group sizes on the host (prefill chunks)."""
+    return spec_model(seed=0)
+
+
+@pytest.fixture(scope="module")
+def static_moe_model():
+    """4 routed experts, top-2 (E <= 2 top_k): the MoE is static at every decode size, also
+    eagerly on the CPU, so the only host reads left are the engine's own."""
+    m = spec_model(seed=0, n_routed_experts=4)
+    moes = [mod for mod in m.modules() if isinstance(mod, MoE)]
+    assert moes and all(moe.path_for(n) != "grouped" for moe in moes for n in range(1, MoE.static_max_tokens + 1))
+    return m
+
+
+def prompts_of(seed: int, n: int, lo: int = 5, hi: int = 12) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def prefill(engine: Engine, prompts: Sequence[Sequence[int]], new: int, params=None) -> list[Request]:
+    """Queue ``prompts`` and run the step that prefills them all; every later step decodes only."""
+    reqs = [engine.add_request(p, params, max_new_tokens=new) for p in prompts]
+    engine.step()
+    assert all(r.num_computed == len(r.token_ids) - 1 and not r.output_token_ids for r in reqs)
+    return reqs
+
+
+def decode_reads(engine: Engine, reqs: Sequence[Request]) -> tuple[int, int, dict[str, int]]:
+    """(decode steps, host reads, reads by kind) until ``reqs`` finish."""
+    steps = 0
+    with count_host_reads() as reads:
+        while not all(r.finished for r in reqs):
+            engine.step()
+            steps += 1
+    return steps, reads.count, dict(reads.by_kind)
+
+
+def parts(engine: Engine) -> tuple[TargetVerifier, MtpDrafter]:
+    """The engine's verifier and MTP drafter, typed (their step buffers and step functions)."""
+    verifier, drafter = engine.verifier, engine.drafter
+    assert isinstance(verifier, TargetVerifier) and isinstance(drafter, MtpDrafter)
+    return verifier, drafter
+
+
+def one_at_a_time(engine: Engine, prompts: Sequence[Sequence[int]], new: int) -> list[list[int]]:
+    out = []
+    for p in prompts:
+        (r,) = engine.generate([engine.add_request(p, max_new_tokens=new)])
+        out.append(r.output_token_ids)
+    return out
+
+
+# --------------------------------------------------------------------------- 1. host reads
+SAMPLED = SamplingParams(temperature=1.0, seed=5)
+DRAFTERS = {"mtp-k3": mtp(2, 3), "mtp-k4": mtp(2, 4), "ngram": ngram(3), "none": NO_DRAFTER}
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
+def test_one_host_read_per_decode_step(static_moe_model, drafter, batch, sampled):
+    """Eager decode steps (after the prefill step) read exactly one tensor back: the packed
+    accepted counts, next tokens and drafts (Engine.step's ``tolist``). Sampled requests read
+    no more: their per-request generators draw on the host (CPU generators) and the draws go
+    to the device; nothing is read back."""
+    engine, _ = make_engine(static_moe_model, DRAFTERS[drafter], check_drafts=False)
+    engine.eos_ids = set()  # every request runs its full length (sampling draws EOS now and then)
+    prompts = prompts_of(10 + batch, batch)
+    if drafter == "ngram":  # repeated prompts: lookup finds drafts, so verify steps are k + 1 wide
+        prompts = [p[:4] * 3 for p in prompts]
+    reqs = prefill(engine, prompts, 16, SAMPLED if sampled else None)
+    steps, count, kinds = decode_reads(engine, reqs)
+    assert steps >= 3 and all(len(r.output_token_ids) == 16 for r in reqs)
+    assert count == steps and kinds == {"tolist": steps}
+    if drafter != "none":
+        assert engine.metrics.num_draft_tokens > 0
+
+
+def test_decode_step_keeps_many_expert_moe_static(model, monkeypatch):
+    """With many experts (E > 2 top_k) an eager MoE over 2+ tokens would take the grouped path,
+    which reads its group sizes (``bincount(...).tolist()``); inside the decode step
+    (``static_moe``) it never does, so eager decode steps still read once each
+    (docs/design.md §5). Outside the step (a plain forward of 2+ tokens) it still groups."""
+    grouped = []
+    original = MoE._grouped
+
+    def counted(self, flat):
+        grouped.append(flat.shape[0])
+        return original(self, flat)
+
+    monkeypatch.setattr(MoE, "_grouped", counted)
+    engine, _ = make_engine(model, mtp(2, 3), check_drafts=False)
+    reqs = prefill(engine, prompts_of(20, 3), 8)
+    grouped.clear()
+    steps, count, _ = decode_reads(engine, reqs)
+    assert not grouped and steps >= 3 and count == steps
+    moe = next(m for m in model.modules() if isinstance(m, MoE))
+    with torch.no_grad():
+        moe(torch.randn(4, model.cfg.hidden_size))
+    assert grouped == [4]
+
+
+# --------------------------------------------------------------------------- 2. persistent inputs
+@pytest.fixture
+def step_calls(monkeypatch) -> list[tuple[StepFunction, tuple[tuple[tuple[int, ...], int], ...]]]:
+    """Every StepFunction call: (function, ((shape, data_ptr) per input))."""
+    calls = []
+    original = StepFunction.__call__
+
+    def spy(self, *args):
+        calls.append((self, tuple((tuple(a.shape), a.data_ptr()) for a in args)))
+        return original(self, *args)
+
+    monkeypatch.setattr(StepFunction, "__call__", spy)
+    return calls
+
+
+def staged_log(buffers) -> dict:
+    """Record ``{(name, shape, dtype): data_ptr}`` of what ``buffers.stage`` returns, into the
+    dict returned (cleared by the caller between steps)."""
+    log: dict = {}
+    original = buffers.stage
+
+    def stage(name, values, dtype=torch.long):
+        t = original(name, values, dtype)
+        log[(name, tuple(t.shape), t.dtype)] = t.data_ptr()
+        return t
+
+    buffers.stage = stage
+    return log
+
+
+def is_table(key) -> bool:
+    return key[0].startswith("table")
+
+
+def test_step_inputs_persist_across_decode_steps(static_moe_model, step_calls):
+    """Step after step of one bucket (k = 4 > D), the verify and draft step functions get the
+    same input tensors (same ``data_ptr``): only a block table whose width doubled is a new
+    tensor. The staged buffers are never reallocated, and none appear while the bucket and
+    the table widths stay the same."""
+    engine, _ = make_engine(static_moe_model, mtp(2, 4), check_drafts=False)
+    engine.eos_ids = set()  # every request runs its full length
+    verifier, drafter = parts(engine)
+    logs = {"verifier": staged_log(verifier.buffers), "drafter": staged_log(drafter.buffers)}
+    reqs = prefill(engine, prompts_of(30, 3, lo=6, hi=10), 14)
+    history = []  # per decode step: rows, staged keys -> ptr, all buffers -> ptr, step-function calls
+    while not all(r.finished for r in reqs):
+        for log in logs.values():
+            log.clear()
+        step_calls.clear()
+        rows = {"verifier": sum(not r.finished for r in reqs)}
+        engine.step()
+        rows["drafter"] = sum(not r.finished for r in reqs)
+        buffers = {"verifier": verifier.buffers._buffers, "drafter": drafter.buffers._buffers}
+        history.append(
+            (
+                rows,
+                {part: dict(log) for part, log in logs.items()},
+                {part: {k: t.data_ptr() for k, t in b.items()} for part, b in buffers.items()},
+                list(step_calls),
+            )
+        )
+
+    def bucket(staged: dict) -> int:  # rows of the step's staged inputs
+        (b,) = {shape[0] for name, shape, _ in staged if name == "last"}
+        return b
+
+    compared, widened, calls_compared = Counter(), 0, 0
+    for (_, staged0, buffers0, calls0), (rows1, staged1, buffers1, calls1) in zip(history, history[1:]):
+        for part in ("verifier", "drafter"):
+            assert all(buffers1[part][k] == ptr for k, ptr in buffers0[part].items()), part  # never reallocated
+            if not staged1[part]:
+                assert part == "drafter" and rows1[part] == 0  # nothing left to draft for
+                continue
+            assert bucket(staged1[part]) == bucket_for(rows1[part], DEFAULT_BUCKETS)  # padded
+            if not staged0[part] or bucket(staged0[part]) != bucket(staged1[part]):
+                continue
+            if {k for k in staged0[part] if is_table(k)} == {k for k in staged1[part] if is_table(k)}:
+                compared[part] += 1
+                assert staged1[part] == staged0[part], part  # same keys, same tensors
+                assert buffers1[part].keys() == buffers0[part].keys(), part  # no new buffers
+            else:
+                widened += 1
+                assert {k for k in staged1[part] if not is_table(k)} == {k for k in staged0[part] if not is_table(k)}
+        assert [fn.name for fn, _ in calls1] == ["verify"] + ["draft-round-k4"] * (rows1["drafter"] > 0)
+        previous = {fn: args for fn, args in calls0}
+        for fn, args in calls1:
+            if fn not in previous or previous[fn][0][0] != args[0][0]:
+                continue  # first call, or another bucket
+            calls_compared += 1
+            for i, ((shape0, ptr0), (shape1, ptr1)) in enumerate(zip(previous[fn], args)):
+                if shape0 == shape1:
+                    assert ptr0 == ptr1, (fn.name, i)
+                else:  # only a block table may change, and only in width
+                    assert i >= fn.tables_from and shape0[0] == shape1[0], (fn.name, i, shape0, shape1)
+    # both cases happened, in both parts, with most steps in one bucket
+    assert min(compared["verifier"], compared["drafter"]) >= 5 and widened >= 1 and calls_compared >= 10
+
+
+# --------------------------------------------------------------------------- 3. buckets
+def spy_padding(engine: Engine) -> list[tuple[str, int, int | None]]:
+    """Record (part, rows, pad_to) of every verify call and drafting round."""
+    seen = []
+    verifier, drafter = parts(engine)
+    verify, propose = verifier.verify, drafter.propose
+
+    def spied_verify(kv, requests, drafts, run, pad_to=None):
+        seen.append(("verify", len(requests), pad_to))
+        return verify(kv, requests, drafts, run, pad_to=pad_to)
+
+    def spied_propose(spans, kv, run, keep_logits=False, pad_to=None, num_tokens=None):
+        seen.append(("draft", len(spans), pad_to))
+        return propose(spans, kv, run, keep_logits=keep_logits, pad_to=pad_to, num_tokens=num_tokens)
+
+    verifier.verify, drafter.propose = spied_verify, spied_propose  # type: ignore[method-assign]
+    return seen
+
+
+@pytest.mark.parametrize("buckets,padded", [(None, 4), ([1, 8], 8)])
+def test_batch_runs_padded_to_its_bucket(model, buckets, padded):
+    """A batch of 3 runs padded to its bucket (4 by default, 8 with buckets [1, 8]), verify and
+    drafting alike; greedy output equals the same requests run one at a time (bucket 1) and
+    plain decoding."""
+    prompts, new = prompts_of(40, 3), 10
+    overrides = [f"engine.batch_buckets=[{','.join(map(str, buckets))}]"] if buckets else []
+    engine, _ = make_engine(model, mtp(2, 4), check_drafts=False, overrides=overrides)
+    seen = spy_padding(engine)
+    reqs = [engine.add_request(p, max_new_tokens=new) for p in prompts]
+    engine.generate(reqs)
+    assert all(len(r.output_token_ids) == new for r in reqs)  # finished together: one bucket
+    decode_calls = [(part, rows, pad) for part, rows, pad in seen if pad is not None]
+    assert [part for part, _, _ in decode_calls].count("verify") == new
+    assert set(decode_calls) == {("verify", 3, padded), ("draft", 3, padded)}
+    verifier, drafter = parts(engine)
+    assert ("last", (padded,), torch.long) in verifier.buffers._buffers
+    assert ("slots", (padded,), torch.long) in drafter.buffers._buffers
+
+    alone, _ = make_engine(model, mtp(2, 4), check_drafts=False, overrides=overrides)
+    seen_alone = spy_padding(alone)
+    assert one_at_a_time(alone, prompts, new) == outputs(reqs)
+    assert {pad for _, _, pad in seen_alone if pad is not None} == {1}
+    plain, _, _ = generate(model, NO_DRAFTER, prompts, new, check_drafts=False)
+    assert outputs(plain) == outputs(reqs)
+
+
+# --------------------------------------------------------------------------- 4. compile
+COMPILE_PROMPTS = [  # the longer two reach 22 and 21 positions: past the 16 of the narrowest block table
+    [7, 19, 33, 4, 81, 56],
+    [44, 9, 102, 71, 18, 5, 63, 27, 90, 11, 38, 84, 6, 59],
+    [15, 88, 40, 23, 97, 61, 5, 30, 72, 19, 104, 8, 53],
+]
+COMPILE_NEW = 8
+
+
+@pytest.fixture(scope="module")
+def compiled(model):
+    """One compiled engine (mtp D = 2, k = 3 > D, batch 1: one verify and one draft graph),
+    warmed up, then run over COMPILE_PROMPTS one at a time with host reads counted per decode
+    phase. Dynamo state is reset first, so its counters are this engine's."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        engine, _ = make_engine(model, mtp(2, 3), check_drafts=False, overrides=["engine.compile=true"])
+        engine.warmup([1])  # compiles here, so the counted steps below run compiled code only
+        outs, steps, reads = [], 0, 0
+        for p in COMPILE_PROMPTS:
+            (r,) = prefill(engine, [p], COMPILE_NEW)
+            n, count, _ = decode_reads(engine, [r])
+            outs.append(r.output_token_ids)
+            steps, reads = steps + n, reads + count
+        stats = {
+            "graph_break": dict(counters["graph_break"]),
+            "unique_graphs": counters["stats"]["unique_graphs"],
+            "tables": {k[1] for k in parts(engine)[0].buffers._buffers if k[0] == "table0"},
+        }
+        yield engine, outs, steps, reads, stats
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_compiled_greedy_equals_eager(model, compiled):
+    engine, outs, _, _, _ = compiled
+    eager, _ = make_engine(model, mtp(2, 3), check_drafts=False)
+    assert outs == one_at_a_time(eager, COMPILE_PROMPTS, COMPILE_NEW)
+    plain, _ = make_engine(model, NO_DRAFTER, check_drafts=False)
+    assert outs == one_at_a_time(plain, COMPILE_PROMPTS, COMPILE_NEW)
+    assert all(len(o) == COMPILE_NEW for o in outs)
+
+
+def test_compiled_step_functions_have_no_graph_breaks(compiled):
+    """Verify and draft step functions were compiled (fullgraph=True would raise on a break)
+    into exactly one graph each, which served every table width (context length)."""
+    engine, _, _, _, stats = compiled
+    verifier, drafter = parts(engine)
+    functions = list(verifier._functions.values()) + list(drafter._rounds.values())
+    assert sorted(fn.name for fn in functions) == ["draft-round-k3", "verify"]
+    assert all(fn.compiled and fn.warmup_s > 0 for fn in functions) and engine.warmup_s > 0
+    assert stats["graph_break"] == {}
+    assert stats["tables"] == {(1, 4), (1, 8)}  # the context crossed a table width ...
+    assert stats["unique_graphs"] == 2  # ... without a recompile
+
+
+def test_compiled_decode_reads_once_per_step(compiled):
+    """Compiled, the many-expert MoE stays static: one host read per decode step."""
+    _, _, steps, reads, _ = compiled
+    assert steps >= 2 * len(COMPILE_PROMPTS) and reads == steps
+
+
+# --------------------------------------------------------------------------- 5. adaptive k
+def test_auto_k_equals_plain_and_measures_costs(model):
+    prompts, new = prompts_of(50, 2), 10
+    engine, _ = make_engine(model, AUTO, check_drafts=False)
+    adaptive = engine.adaptive
+    assert isinstance(adaptive, AdaptiveK) and adaptive.max_k == 2 and engine.drafter.num_tokens == 2
+    assert engine.warmup([1]) > 0
+    assert adaptive.has_costs(1) and not adaptive.has_costs(2)
+    assert len(adaptive.costs[1]) == 3 and all(c > 0 for c in adaptive.costs[1])
+    assert not engine.k_chosen and not adaptive.chosen  # warm-up forces k: no choices recorded
+    rounds = []
+    draft = engine._draft
+
+    def counted(spans):
+        rounds.append(len(spans))
+        return draft(spans)
+
+    engine._draft = counted  # type: ignore[method-assign]
+    reqs = [engine.add_request(p, max_new_tokens=new) for p in prompts]
+    engine.generate(reqs)
+    plain, _, _ = generate(model, NO_DRAFTER, prompts, new, check_drafts=False)
+    assert outputs(reqs) == outputs(plain)
+    assert sum(adaptive.chosen.values()) == len(rounds) >= 4  # one choice per drafting round
+    assert engine.k_chosen[0] == adaptive.chosen[0]  # rounds that chose plain decoding
+    assert engine.k_chosen[2] == adaptive.chosen[2]  # rounds that drafted k_max
+
+
+def test_auto_k_lag_catches_up_exactly(model):
+    """Costs that make k = 0 best and a probe every 4th round: decode spans wait in the lag and
+    the probing round drafts over all of them at once. check_drafts compares every draft of
+    those catch-up rounds with the uncached reference (DraftCheckError otherwise)."""
+    prompts, new = prompts_of(60, 2), 14
+    engine, _ = make_engine(model, AUTO, check_drafts=True)
+    adaptive = engine.adaptive
+    assert isinstance(adaptive, AdaptiveK)
+    engine.warmup([1])
+    for bucket in (1, 2):
+        adaptive.set_costs(bucket, [1.0, 100.0, 100.0])
+    adaptive.probe_every = 4
+    rounds = []  # per drafting round: (pad_to, [(num_accepted, new_positions) per span])
+    drafter = parts(engine)[1]
+    propose = drafter.propose
+
+    def recording(spans, kv, run, keep_logits=False, pad_to=None, num_tokens=None):
+        rounds.append((pad_to, [(s.num_accepted, s.new_positions) for s in spans]))
+        return propose(spans, kv, run, keep_logits=keep_logits, pad_to=pad_to, num_tokens=num_tokens)
+
+    drafter.propose = recording  # type: ignore[method-assign]
+    reqs = [engine.add_request(p, max_new_tokens=new) for p in prompts]
+    engine.generate(reqs)
+    plain, _, _ = generate(model, NO_DRAFTER, prompts, new, check_drafts=False)
+    assert outputs(reqs) == outputs(plain)
+    assert engine.k_chosen[0] >= 4 and engine.k_chosen[2] >= 2 and adaptive.probes >= 2
+    assert engine.metrics.num_draft_tokens > 0
+    # a catch-up span: the lag of 2+ steps (one position each) and this step's position, drafted
+    # over at once with the most re-prefill (num_accepted 0), in a round that is not static
+    catch_up = [pad for pad, spans in rounds if any(a == 0 and n >= 3 for a, n in spans)]
+    assert catch_up and all(pad is None for pad in catch_up)
+
+
+# --------------------------------------------------------------------------- 6. warm-up
+def test_warmup_leaves_the_engine_clean(model):
+    prompts, new = prompts_of(70, 3), 8
+    engine, kv = make_engine(model, mtp(2, 3), check_drafts=False)
+    seconds = engine.warmup([1, 4])
+    assert seconds > 0 and engine.warmup_s == seconds
+    assert engine.metrics.num_steps == 0 and engine.times.num_steps == 0 and not engine.k_chosen
+    assert not engine.running and not engine.waiting and not engine.has_unfinished()
+    assert kv.is_whole()
+    assert ("last", (4,), torch.long) in parts(engine)[0].buffers._buffers  # bucket 4 was run
+    reqs = [engine.add_request(p, max_new_tokens=new) for p in prompts]
+    engine.generate(reqs)
+    fresh, _, _ = generate(model, mtp(2, 3), prompts, new, check_drafts=False)
+    assert outputs(reqs) == outputs(fresh)
+    assert engine.metrics.num_steps == sum(r.num_verify_steps for r in reqs)  # counted from zero
+
+
+def test_warmup_needs_an_idle_engine(model):
+    engine, _ = make_engine(model, NO_DRAFTER, check_drafts=False)
+    engine.add_request([5, 6, 7], max_new_tokens=2)
+    with pytest.raises(RuntimeError, match="idle engine"):
+        engine.warmup([1])
