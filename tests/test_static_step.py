@@ -337,7 +337,7 @@ def test_compiled_step_functions_have_no_graph_breaks(compiled):
     into exactly one graph each, which served every table width (context length)."""
     engine, _, _, _, stats = compiled
     verifier, drafter = parts(engine)
-    functions = list(verifier._functions.values()) + list(drafter._rounds.values())
+    functions = list(verifier._steps.values()) + list(drafter._steps.values())
     assert sorted(fn.name for fn in functions) == ["draft-round-k3", "verify"]
     assert all(fn.compiled and fn.warmup_s > 0 for fn in functions) and engine.warmup_s > 0
     assert stats["graph_break"] == {}

@@ -547,17 +547,6 @@ class PagedKVManager:
         timer = self.cache_timer
         return PagedLayerCache(*args) if timer is None else TimedPagedLayerCache(timer, *args)
 
-    def invalidate_draft(self, rid: Hashable, start: int, end: int) -> None:
-        """Forget draft positions [start, end) in every depth group (decode-step gaps)."""
-        bs = self.block_size
-        for g, table in zip(self.groups, self._tables[rid]):
-            if not g.draft:
-                continue
-            for p in range(start, end):
-                j = p // bs
-                if j < len(table) and table[j] >= 0:
-                    g.slot_pos[table[j] * bs + p % bs] = EMPTY_POSITION
-
 
 def _spans(positions: torch.Tensor, valid: torch.Tensor) -> tuple[list[int], list[int]]:
     """(first, end) query positions of each row of ``positions`` [B, T] (host reads)."""

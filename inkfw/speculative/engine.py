@@ -92,9 +92,7 @@ class EngineConfig:
                 raise ConfigError(f"engine.{name} must be true or false, got {getattr(self, name)!r}.")
         if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
             raise ConfigError(f"engine.cuda_graphs must be null, true or false, got {self.cuda_graphs!r}.")
-        buckets = self.batch_buckets
-        if isinstance(buckets, (list, tuple)) or hasattr(buckets, "__iter__") and not isinstance(buckets, str):
-            buckets = tuple(buckets)
+        buckets = tuple(self.batch_buckets) if not isinstance(self.batch_buckets, (str, int)) else ()
         if not buckets or not all(_is_int(b) and b >= 1 for b in buckets):
             raise ConfigError(f"engine.batch_buckets must be a list of integers >= 1, got {self.batch_buckets!r}.")
         self.batch_buckets = tuple(sorted(set(buckets)))
@@ -428,7 +426,7 @@ class Engine:
         proposed = self.drafter.propose(
             spans, self.kv, self._run_draft, keep_logits=self.config.check_drafts, pad_to=bucket, num_tokens=k
         )
-        counts = proposed.counts if proposed.counts is not None else proposed.num_drafts.tolist()
+        counts = proposed.host_counts()
         slot_ids = torch.tensor([s.slot for s in spans], device=self.device)
         width = proposed.tokens.shape[1]
         if width:
@@ -453,17 +451,13 @@ class Engine:
         room = self.max_model_len - len(r.token_ids)
         return max(0, min(self.drafter.num_tokens, left, room))
 
-    @staticmethod
-    def _num_pending(r: Request) -> int:
-        return r.num_pending
-
     def _needs(self, r: Request, chunk_end: int | None) -> tuple[int, int]:
         """(target_end, draft_end) positions ``r`` writes this step."""
         k, P = self.drafter.num_tokens, self.drafter.lookahead
         extra = max(0, k - P)  # decode-step positions past a span
         L = len(r.token_ids)
         if chunk_end is None:  # verify
-            n = self._num_pending(r)
+            n = r.num_pending
             return L + n, L + n + extra
         return chunk_end, chunk_end + (extra if chunk_end == L - 1 else 0)
 
@@ -493,7 +487,7 @@ class Engine:
                 prefills.append((r, r.num_computed, chunk_end))
                 return chunk_end - r.num_computed
             decodes.append(r)
-            return 1 + self._num_pending(r)
+            return 1 + r.num_pending
 
         for r in list(self.running):
             if r not in self.running:  # preempted by an earlier request of this loop

@@ -141,6 +141,10 @@ class Drafts:
     logits: torch.Tensor | None = None
     counts: list[int] | None = None  # num_drafts as host ints, when the drafter knows them (no read back)
 
+    def host_counts(self) -> list[int]:
+        """``num_drafts`` as host ints: :attr:`counts`, or read back when the drafter gave none."""
+        return self.counts if self.counts is not None else self.num_drafts.tolist()
+
     @staticmethod
     def empty(batch: int, device: torch.device | str = "cpu") -> Drafts:
         return Drafts(

@@ -18,7 +18,7 @@ graph-captured step functions (docs/design.md §5).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -146,3 +146,33 @@ class StepFunction:
         torch.cuda.synchronize()
         self.warmup_s += time.perf_counter() - t
         return graph, args, out
+
+
+class StepModes:
+    r"""Mixin for a component that runs :class:`StepFunction`\ s (the verifier, the MTP drafter):
+    how they run (:meth:`set_step_mode`, chosen by the engine), one function per key, built on
+    first use, and their compile / capture seconds (:attr:`warmup_s`)."""
+
+    _compile = False
+    _cuda_graphs = False
+
+    @property
+    def _steps(self) -> dict[Hashable, StepFunction]:
+        return self.__dict__.setdefault("_step_functions", {})
+
+    def set_step_mode(self, compile: bool = False, cuda_graphs: bool = False) -> None:
+        """Run the step functions compiled (``torch.compile``) and/or as CUDA graphs."""
+        self._compile, self._cuda_graphs = compile, cuda_graphs
+        self._steps.clear()
+
+    @property
+    def warmup_s(self) -> float:
+        return sum(f.warmup_s for f in self._steps.values())
+
+    def _step_function(self, key: Hashable, fn: Callable[..., Any], name: str, tables_from: int) -> StepFunction:
+        """The step function for ``key``: ``fn`` wrapped in the current mode on first use."""
+        if key not in self._steps:
+            self._steps[key] = StepFunction(
+                fn, name, compile=self._compile, cuda_graphs=self._cuda_graphs, tables_from=tables_from
+            )
+        return self._steps[key]

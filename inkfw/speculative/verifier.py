@@ -26,10 +26,10 @@ from inkfw.speculative.interfaces import (
 )
 from inkfw.speculative.observers import run_directly
 from inkfw.speculative.sampling import Sampler
-from inkfw.speculative.step import StepBuffers, StepFunction, table_width
+from inkfw.speculative.step import StepBuffers, StepFunction, StepModes, table_width
 
 
-class TargetVerifier:
+class TargetVerifier(StepModes):
     """``inkfw/conf/verifier/target.yaml``: the target model decides, losslessly.
 
     The forward and greedy acceptance are one function of tensors (:meth:`forward`) over
@@ -41,16 +41,6 @@ class TargetVerifier:
         self.sampler = sampler or Sampler()
         self.device = next(model.parameters()).device
         self.buffers = StepBuffers(self.device)
-        self._compile = self._cuda_graphs = False
-        self._functions: dict[int, StepFunction] = {}
-
-    def set_step_mode(self, compile: bool = False, cuda_graphs: bool = False) -> None:
-        self._compile, self._cuda_graphs = compile, cuda_graphs
-        self._functions.clear()
-
-    @property
-    def warmup_s(self) -> float:
-        return sum(f.warmup_s for f in self._functions.values())
 
     @torch.no_grad()
     def verify(
@@ -65,7 +55,7 @@ class TargetVerifier:
         ``pad_to`` rows (static shapes; padding rows write only scratch slots)."""
         B, k = drafts.tokens.shape
         pad = max(0, (pad_to or B) - B)
-        counts = drafts.counts if drafts.counts is not None else drafts.num_drafts.tolist()
+        counts = drafts.host_counts()
         starts = [len(r.token_ids) - 1 for r in requests] + [0] * pad
         num_drafts = list(counts) + [-1] * pad  # -1: a padding row, nothing valid
         stage = self.buffers.stage
@@ -94,15 +84,10 @@ class TargetVerifier:
         return Verdict(num_accepted[:B], next_tokens[:B], hidden[:B])
 
     def _function(self, kv: KVManager, num_groups: int) -> StepFunction:
-        if num_groups not in self._functions:
+        def verify_step(*args: torch.Tensor):
+            return self.forward(kv, *args)
 
-            def verify_step(*args: torch.Tensor):
-                return self.forward(kv, *args)
-
-            self._functions[num_groups] = StepFunction(
-                verify_step, "verify", compile=self._compile, cuda_graphs=self._cuda_graphs, tables_from=5
-            )
-        return self._functions[num_groups]
+        return self._step_function(num_groups, verify_step, "verify", tables_from=5)
 
     def forward(
         self,
@@ -146,5 +131,5 @@ class TargetVerifier:
         acceptance computed inside the step function), or always when a subclass overrides it."""
         if all(r.sampling.greedy for r in requests):
             return greedy_accept(drafts.tokens, logits, drafts.num_drafts, check=False)
-        counts = drafts.counts if drafts.counts is not None else drafts.num_drafts.tolist()
+        counts = drafts.host_counts()
         return self.sample(logits, requests, drafts, counts)

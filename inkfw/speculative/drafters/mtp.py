@@ -24,17 +24,16 @@ from inkfw.speculative.draft_view import DraftView
 from inkfw.speculative.interfaces import Drafts, DraftSpan, ForwardRunner, KVManager, TargetModel, TokenSampler
 from inkfw.speculative.observers import run_directly
 from inkfw.speculative.sampling import Sampler
-from inkfw.speculative.step import StepBuffers, StepFunction, table_width
+from inkfw.speculative.step import StepBuffers, StepFunction, StepModes, table_width
 
 
 @dataclass
 class _RowState:
-    slot: int  # row of the tail buffer
     next_start: int  # first position not drafted over yet
     tail_len: int  # valid rows at the end of the request's tail (<= P - 1)
 
 
-class MtpDrafter:
+class MtpDrafter(StepModes):
     """``inkfw/conf/drafter/mtp.yaml``. Per request it keeps, on the device, the target hidden
     states of the last P - 1 positions it drafted over (the re-prefill tail, one row of
     ``tail`` per request slot); on the host, where the next span starts. A round reads nothing
@@ -69,8 +68,6 @@ class MtpDrafter:
             1, max(0, self.lookahead - 1), model.cfg.hidden_size, dtype=self.dtype, device=self.device
         )
         self.buffers = StepBuffers(self.device)
-        self._compile = self._cuda_graphs = False
-        self._rounds: dict[tuple[int, int], StepFunction] = {}
 
     # ------------------------------------------------------------------ setup
     def reserve(self, num_slots: int) -> None:
@@ -79,15 +76,6 @@ class MtpDrafter:
             tail = self.tail.new_zeros(num_slots + 1, *self.tail.shape[1:])
             tail[: self.tail.shape[0] - 1] = self.tail[:-1]
             self.tail = tail
-
-    def set_step_mode(self, compile: bool = False, cuda_graphs: bool = False) -> None:
-        """Run greedy rounds compiled (``torch.compile``) and/or as CUDA graphs."""
-        self._compile, self._cuda_graphs = compile, cuda_graphs
-        self._rounds.clear()
-
-    @property
-    def warmup_s(self) -> float:
-        return sum(f.warmup_s for f in self._rounds.values())
 
     def release(self, rid: Hashable) -> None:
         self._rows.pop(rid, None)
@@ -123,13 +111,13 @@ class MtpDrafter:
         slots, starts, lengths, takes, wants, draft_at, rids = [], [], [], [], [], [], []
         for span in spans:
             rid = span.request.id
-            state = self._rows.get(rid) or _RowState(span.slot, span.start, 0)
+            state = self._rows.get(rid) or _RowState(span.start, 0)
             assert span.start == state.next_start, (
                 f"request {rid}: span starts at {span.start}, drafter expected {state.next_start}"
             )
             n = span.new_positions
             r = 0 if span.num_accepted is None else min(max(0, P - 1 - span.num_accepted), state.tail_len)
-            self._rows[rid] = _RowState(span.slot, span.start + n, min(P - 1, state.tail_len + n))
+            self._rows[rid] = _RowState(span.start + n, min(P - 1, state.tail_len + n))
             slots.append(span.slot)
             starts.append(span.start - r)
             lengths.append(r + n)
@@ -215,20 +203,10 @@ class MtpDrafter:
         )
 
     def _round_function(self, kv: KVManager, K: int, num_table_args: int) -> StepFunction:
-        key = (K, num_table_args)
-        if key not in self._rounds:
+        def greedy_round(*args: torch.Tensor) -> torch.Tensor:
+            return self.round(kv, K, None, *args)
 
-            def greedy_round(*args: torch.Tensor) -> torch.Tensor:
-                return self.round(kv, K, None, *args)
-
-            self._rounds[key] = StepFunction(
-                greedy_round,
-                f"draft-round-k{K}",
-                compile=self._compile,
-                cuda_graphs=self._cuda_graphs,
-                tables_from=12,
-            )
-        return self._rounds[key]
+        return self._step_function((K, num_table_args), greedy_round, f"draft-round-k{K}", tables_from=12)
 
     def round(self, kv: KVManager, K: int, chooser: _SampledChooser | None, *args: torch.Tensor) -> torch.Tensor:
         """One drafting round over staged tensors (see :meth:`propose`); tensor ops only when
