@@ -10,6 +10,10 @@ import torch
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Triton kernels run on CPU tensors in Triton's interpreter; it is chosen when a kernel is defined,
+# so it must be set before inkfw.kernels' modules are imported (tests run them in fp32)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from helpers.models import randomize_, tiny_config
 from inkfw.models.inkling.config import InklingConfig

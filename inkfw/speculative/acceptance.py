@@ -44,6 +44,25 @@ def _check_shapes(draft_tokens: torch.Tensor, target: torch.Tensor) -> tuple[int
     return B, k
 
 
+def check_rejection_shapes(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    uniforms: torch.Tensor,
+    noise: torch.Tensor,
+) -> tuple[int, int, int]:
+    """(B, k, V) of :func:`rejection_sample`'s arguments, or ValueError naming the one that is off."""
+    B, k = _check_shapes(draft_tokens, target_probs)
+    V = target_probs.shape[-1]
+    if draft_probs is not None and draft_probs.shape != (B, k, V):
+        raise ValueError(f"draft_probs must be [B={B}, k={k}, V={V}], got {list(draft_probs.shape)}")
+    if uniforms.shape != (B, k):
+        raise ValueError(f"uniforms must be [B={B}, k={k}], got {list(uniforms.shape)}")
+    if noise.shape != (B, V):
+        raise ValueError(f"noise must be [B={B}, V={V}], got {list(noise.shape)}")
+    return B, k, V
+
+
 def _accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
     """[B] length of the all-True prefix of ``accept`` [B, k]."""
     return accept.long().cumprod(dim=-1).sum(dim=-1)
@@ -106,15 +125,8 @@ def rejection_sample(
 
     Returns ``(num_accepted [B], next_token [B])``, both long.
     """
-    B, k = _check_shapes(draft_tokens, target_probs)
-    V = target_probs.shape[-1]
+    B, k, V = check_rejection_shapes(draft_tokens, draft_probs, target_probs, uniforms, noise)
     device = target_probs.device
-    if draft_probs is not None and draft_probs.shape != (B, k, V):
-        raise ValueError(f"draft_probs must be [B={B}, k={k}, V={V}], got {list(draft_probs.shape)}")
-    if uniforms.shape != (B, k):
-        raise ValueError(f"uniforms must be [B={B}, k={k}], got {list(uniforms.shape)}")
-    if noise.shape != (B, V):
-        raise ValueError(f"noise must be [B={B}, V={V}], got {list(noise.shape)}")
     valid = _draft_mask(num_drafts, B, k, device, check)  # [B, k]
     counts = valid.sum(dim=-1)  # [B] drafts per row
     drafts = torch.where(valid, draft_tokens.to(device), 0)  # [B, k] padding -> a safe index
