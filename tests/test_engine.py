@@ -305,10 +305,10 @@ class _WrongDecodeDepth:
     def __getattr__(self, name):
         return getattr(self._model, name)
 
-    def mtp_step(self, depth, hidden, token_ids, positions, cache=None):
+    def mtp_step(self, depth, hidden, token_ids, positions, cache=None, depth_input=None):
         if positions.shape[1] == 1 and depth == 0:
             depth = 2
-        return self._model.mtp_step(depth, hidden, token_ids, positions, cache)
+        return self._model.mtp_step(depth, hidden, token_ids, positions, cache, depth_input)
 
 
 def test_check_drafts_catches_wrong_decode_depth(model):

@@ -23,7 +23,7 @@ from inkfw.speculative.factory import build_engine, serving_config
 from inkfw.speculative.sampling import SamplingParams
 from inkfw.speculative.verifier import TargetVerifier
 
-GROUPS = ("drafter", "verifier", "sampler", "kv", "engine")
+GROUPS = ("drafter", "verifier", "sampler", "kv", "engine", "kernels")
 # a value other than the default for every EngineConfig field, as a command line writes it
 NON_DEFAULT = {
     "max_num_seqs": ("3", 3),
@@ -128,6 +128,7 @@ def test_every_node_builds_through_the_factory(model, group, option):
         "sampler": engine.sampler,
         "kv": engine.kv,
         "engine": engine.config,
+        "kernels": engine.verifier.kernels,
     }[group]
     assert type(component).__name__ == node._target_.rsplit(".", 1)[-1]
     reqs = [

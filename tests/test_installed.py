@@ -52,8 +52,7 @@ def installed(tmp_path_factory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("installed")
     src = tmp / "src"
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for folder in ("inkfw", "kernels"):
-        shutil.copytree(ROOT / folder, src / folder, ignore=ignore)
+    shutil.copytree(ROOT / "inkfw", src / "inkfw", ignore=ignore)
     for file in ("pyproject.toml", "README.md"):
         shutil.copy2(ROOT / file, src / file)
     wheels = tmp / "wheels"

@@ -205,7 +205,7 @@ def test_step_inputs_persist_across_decode_steps(static_moe_model, step_calls):
         )
 
     def bucket(staged: dict) -> int:  # rows of the step's staged inputs
-        (b,) = {shape[0] for name, shape, _ in staged if name == "last"}
+        (b,) = {shape[0] for name, shape, _ in staged if name in ("last", "slots")}  # verifier, drafter
         return b
 
     compared, widened, calls_compared = Counter(), 0, 0

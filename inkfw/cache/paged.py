@@ -34,12 +34,16 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from inkfw.cache.interface import EMPTY_POSITION, conv_channels
 from inkfw.errors import ConfigError
+
+if TYPE_CHECKING:
+    from inkfw.kernels import Kernels
 
 
 class BlockPool:
@@ -141,7 +145,7 @@ class StepView:
     def __init__(
         self, group: CacheGroup, table: torch.Tensor, base: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor
     ):
-        self.group, self.table, self.base, self.positions = group, table, base, positions
+        self.group, self.table, self.base, self.positions, self.valid = group, table, base, positions, valid
         self.write_slots, ok = slots_of(group, table, base, positions, valid)  # [B*T], [B, T]
         group.slot_pos.index_copy_(0, self.write_slots, torch.where(ok, positions, EMPTY_POSITION).reshape(-1))
         self._keys: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -175,10 +179,76 @@ class StepView:
 
 class PagedLayerCache:
     """:class:`~inkfw.cache.interface.LayerCache` of one layer: its KV in one group's view, its
-    conv inputs in another's."""
+    conv inputs in another's.
 
-    def __init__(self, kv_view: StepView, kv: list[torch.Tensor], conv_view: StepView, conv: list[torch.Tensor]):
+    ``kernels`` (fused :class:`~inkfw.kernels.Kernels`, or None): the layers then call
+    :meth:`attend` and :meth:`short_convs`, which read the pools in place through the block
+    tables, instead of :meth:`update_kv` and :meth:`conv_window`."""
+
+    def __init__(
+        self,
+        kv_view: StepView,
+        kv: list[torch.Tensor],
+        conv_view: StepView,
+        conv: list[torch.Tensor],
+        kernels: Kernels | None = None,
+    ):
         self.kv_view, self.kv, self.conv_view, self.conv = kv_view, kv, conv_view, conv
+        self.kernels = kernels
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        r: torch.Tensor,
+        rel_table: torch.Tensor,
+        window: int | None,
+        tau: torch.Tensor | None,
+        scale: float,
+    ) -> torch.Tensor:
+        """Store ``k, v`` [B, T, Hkv, D], then attend: q [B, T, Hq, D], r [B, T, Hq, d_rel] ->
+        [B, T, Hq, D], with the paged span attention kernel (inkfw/kernels/paged_attention.py)."""
+        assert self.kernels is not None, "attend() needs fused kernels"
+        (ks, vs), view = self.kv, self.kv_view
+        ks.index_copy_(0, view.write_slots, k.reshape(-1, *k.shape[2:]).to(ks.dtype))
+        vs.index_copy_(0, view.write_slots, v.reshape(-1, *v.shape[2:]).to(vs.dtype))
+        return self.kernels.paged_span_attention(
+            q,
+            ks,
+            vs,
+            view.group.slot_pos,
+            view.table,
+            view.base,
+            view.positions,
+            r,
+            rel_table,
+            block_size=view.group.block_size,
+            window=window,
+            tau=tau,
+            scale=scale,
+        )
+
+    def short_convs(
+        self, streams: Sequence[int], xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """``x + conv(x)`` of conv ``streams`` that share a channel count, in one launch of the
+        cached short-conv kernel (inkfw/kernels/short_conv.py): xs [B, T, C] each, weights [C, 1, K]
+        each -> [B, T, C] each; stores each x at its position first."""
+        assert self.kernels is not None, "short_convs() needs fused kernels"
+        view = self.conv_view
+        y = self.kernels.cached_short_conv(
+            torch.stack(list(xs)),  # [S, B, T, C]
+            torch.stack([w[:, 0, :] for w in weights]),  # [S, C, K]
+            [self.conv[s] for s in streams],
+            view.group.slot_pos,
+            view.table,
+            view.base,
+            view.positions,
+            view.valid,
+            block_size=view.group.block_size,
+        )  # [S, B, T, C]
+        return list(y.unbind(0))
 
     def update_kv(self, k, v, positions):
         (ks, vs), slots = self.kv, self.kv_view.write_slots
@@ -205,23 +275,28 @@ class TimedPagedLayerCache(PagedLayerCache):
     """A :class:`PagedLayerCache` that reports the seconds of each read/write to ``timer``
     (built only while :attr:`PagedKVManager.cache_timer` is set)."""
 
-    def __init__(self, timer: Callable[[float], None], *args):
-        super().__init__(*args)
+    def __init__(self, timer: Callable[[float], None], *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.timer = timer
 
-    def update_kv(self, k, v, positions):
+    def _timed(self, read: Callable, *args, **kwargs):
         t = time.perf_counter()
         try:
-            return super().update_kv(k, v, positions)
+            return read(*args, **kwargs)
         finally:
             self.timer(time.perf_counter() - t)
 
+    def update_kv(self, k, v, positions):
+        return self._timed(super().update_kv, k, v, positions)
+
     def conv_window(self, stream, x, positions, kernel_size):
-        t = time.perf_counter()
-        try:
-            return super().conv_window(stream, x, positions, kernel_size)
-        finally:
-            self.timer(time.perf_counter() - t)
+        return self._timed(super().conv_window, stream, x, positions, kernel_size)
+
+    def attend(self, *args, **kwargs):
+        return self._timed(super().attend, *args, **kwargs)
+
+    def short_convs(self, streams, xs, weights):
+        return self._timed(super().short_convs, streams, xs, weights)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -238,8 +313,11 @@ class PagedKVManager:
     attention, conv state; None: enough for every request's window plus one step's tokens).
     A pool that runs dry makes the engine preempt a request, never fail.
 
+    ``kernels``: the engine's :class:`~inkfw.kernels.Kernels`; when fused (Triton), the layers
+    attend and convolve through them, reading the pools in place.
+
     ``cache_timer``: an optional timing hook, called with the seconds each cache read/write
-    inside a model forward took (``update_kv`` / ``conv_window``); None (the default) builds
+    inside a model forward took (``update_kv`` / ``conv_window``, or ``attend`` / ``short_convs``); None (the default) builds
     untimed layer caches, at no cost.
     """
 
@@ -260,6 +338,7 @@ class PagedKVManager:
         num_draft_tokens: int | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        kernels: Kernels | None = None,
     ):
         for name, value in (
             ("block_size", block_size),
@@ -277,6 +356,8 @@ class PagedKVManager:
         k = lookahead if num_draft_tokens is None else num_draft_tokens
         bs = block_size
         self.block_size, self.lookahead = bs, lookahead
+        # fused kernels read the pools in place (PagedLayerCache.attend / short_convs); else the modules' path
+        self.kernels = kernels if kernels is not None and kernels.fused else None
         self.enable_prefix_caching = enable_prefix_caching
         self.conv_kernel_size = K = cfg.conv_kernel_size
         full_blocks = num_blocks or max_num_seqs * _cdiv(max_model_len, bs)
@@ -544,8 +625,10 @@ class PagedKVManager:
         return self.caches_from(tables, positions, valid, draft_depth=depth)[0]
 
     def _layer_cache(self, *args) -> PagedLayerCache:
-        timer = self.cache_timer
-        return PagedLayerCache(*args) if timer is None else TimedPagedLayerCache(timer, *args)
+        timer, kernels = self.cache_timer, self.kernels
+        if timer is None:
+            return PagedLayerCache(*args, kernels=kernels)
+        return TimedPagedLayerCache(timer, *args, kernels=kernels)
 
 
 def _spans(positions: torch.Tensor, valid: torch.Tensor) -> tuple[list[int], list[int]]:

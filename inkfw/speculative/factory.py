@@ -18,6 +18,9 @@ The config's serving keys:
   also uses for per-request generators;
 * ``engine``: the ``inkfw/conf/engine`` node, instantiated as is
   (``_target_: inkfw.speculative.engine.EngineConfig``);
+* ``kernels``: a ``_partial_`` node of ``inkfw/conf/kernels`` (``backend: auto | triton | torch``),
+  given ``device``; the one :class:`~inkfw.kernels.Kernels` goes to the drafter, the verifier and
+  the KV manager as ``kernels``;
 * ``mtp.depths`` (D, null: all that ship), ``mtp.embed_source``, ``spec.num_tokens`` (k,
   null: D), ``device``, ``dtype``.
 
@@ -39,6 +42,7 @@ from omegaconf import DictConfig
 
 from inkfw.checkpoint import read_tokenizer
 from inkfw.errors import ConfigError
+from inkfw.kernels import Kernels, check_backend
 from inkfw.nodes import build_node
 from inkfw.paths import config_dir
 from inkfw.presets import build_model, plain, resolve_path
@@ -239,7 +243,8 @@ def build_engine(cfg: Any, model=None, tokenizer=None) -> tuple[Engine, Any]:
     ``<cfg.model.path>/tokenizer.json`` when there is one.
     """
     kind, depths, k = engine_options(cfg)
-    ec = engine_config(cfg)  # fail on bad engine options before loading anything
+    ec = engine_config(cfg)  # fail on bad engine and kernel options before loading anything
+    check_backend(_get(cfg, "kernels.backend", "auto"))
     if model is None:
         # build (or read) only the depths the drafter uses; a random-init preset's backbone is
         # the same whatever number of depths is built
@@ -266,6 +271,12 @@ def build_engine(cfg: Any, model=None, tokenizer=None) -> tuple[Engine, Any]:
         k = num_depths if kind == "mtp" else (num_depths or DEFAULT_NGRAM_TOKENS)
 
     device = next(model.parameters()).device
+    kernels = _call("kernels", _factory(cfg, "kernels", Kernels), device=device)
+    if kernels.backend == "triton" and device.type != "cuda" and ec.compile:
+        raise ConfigError(
+            "kernels.backend=triton on the CPU runs Triton's interpreter, which torch.compile cannot "
+            "trace: use engine.compile=false or kernels.backend=torch."
+        )
     sampler = _call("sampler", _factory(cfg, "sampler", _default_sampler), device=device)
     drafter = _call(
         "drafter",
@@ -274,8 +285,11 @@ def build_engine(cfg: Any, model=None, tokenizer=None) -> tuple[Engine, Any]:
         num_tokens=k,
         num_depths=num_depths,
         sampler=sampler,
+        kernels=kernels,
     )
-    verifier = _call("verifier", _factory(cfg, "verifier", _default_verifier), model=model, sampler=sampler)
+    verifier = _call(
+        "verifier", _factory(cfg, "verifier", _default_verifier), model=model, sampler=sampler, kernels=kernels
+    )
     kv = _call(
         "kv",
         _factory(cfg, "kv", _default_kv),
@@ -286,6 +300,7 @@ def build_engine(cfg: Any, model=None, tokenizer=None) -> tuple[Engine, Any]:
         max_model_len=ec.max_model_len,
         max_num_seqs=ec.max_num_seqs,
         max_num_batched_tokens=ec.max_num_batched_tokens,
+        kernels=kernels,
     )
     adaptive = None
     if adaptive_requested(cfg) and drafter.num_tokens > 0:

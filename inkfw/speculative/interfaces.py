@@ -73,7 +73,8 @@ class TargetModel(Protocol):
         token_ids: torch.Tensor,
         positions: torch.Tensor,
         cache: LayerCache | None = None,
-    ) -> torch.Tensor: ...  # g_d [B, T, H] -> g_{d+1} [B, T, H]
+        depth_input: Callable[..., torch.Tensor] | None = None,
+    ) -> torch.Tensor: ...  # g_d [B, T, H] -> g_{d+1} [B, T, H]; depth_input: a fused input kernel
 
     def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]: ...
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from inkfw.speculative.acceptance import greedy_accept, rejection_sample
+from inkfw.kernels import Kernels
 from inkfw.speculative.interfaces import (
     Drafts,
     ForwardRunner,
@@ -36,11 +36,13 @@ class TargetVerifier(StepModes):
     persistent input buffers, compiled or graph-captured by the engine's choice
     (:meth:`set_step_mode`); it reads nothing back to the host."""
 
-    def __init__(self, model: TargetModel, sampler: TokenSampler | None = None):
+    def __init__(self, model: TargetModel, sampler: TokenSampler | None = None, kernels: Kernels | None = None):
         self.model = model
         self.sampler = sampler or Sampler()
         self.device = next(model.parameters()).device
         self.buffers = StepBuffers(self.device)
+        # acceptance rules: the torch references (speculative/acceptance.py) or their Triton kernels
+        self.kernels = kernels or Kernels("torch")
 
     @torch.no_grad()
     def verify(
@@ -107,7 +109,9 @@ class TargetVerifier(StepModes):
         views = {gi: (tables[2 * i], tables[2 * i + 1]) for i, gi in enumerate(groups)}
         hidden = self.model(ids, positions, kv.caches_from(views, positions, valid))  # [B, 1+k, H]
         logits = self.model.logits(hidden)  # [B, 1+k, V]
-        num_accepted, next_tokens = greedy_accept(draft_tokens, logits, num_drafts.clamp(min=0), check=False)
+        num_accepted, next_tokens = self.kernels.greedy_accept(
+            draft_tokens, logits, num_drafts.clamp(min=0), check=False
+        )
         return hidden, logits, num_accepted, next_tokens
 
     def sample(
@@ -121,7 +125,9 @@ class TargetVerifier(StepModes):
         uniforms, noise = self.sampler.acceptance_draws(
             [r.generator for r in requests], list(counts), k, p.shape[-1], p.device
         )  # [B, k], [B, V]
-        return rejection_sample(drafts.tokens, drafts.probs, p, uniforms, noise, drafts.num_drafts, check=False)
+        return self.kernels.rejection_sample(
+            drafts.tokens, drafts.probs, p, uniforms, noise, drafts.num_drafts, check=False
+        )
 
     def accept(
         self, logits: torch.Tensor, requests: Sequence[RequestLike], drafts: Drafts
@@ -130,6 +136,6 @@ class TargetVerifier(StepModes):
         :meth:`verify` calls it for batches with sampled requests (greedy batches take the
         acceptance computed inside the step function), or always when a subclass overrides it."""
         if all(r.sampling.greedy for r in requests):
-            return greedy_accept(drafts.tokens, logits, drafts.num_drafts, check=False)
+            return self.kernels.greedy_accept(drafts.tokens, logits, drafts.num_drafts, check=False)
         counts = drafts.host_counts()
         return self.sample(logits, requests, drafts, counts)

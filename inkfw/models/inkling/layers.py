@@ -28,6 +28,11 @@ def _fp32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
 
+def _fused(cache: LayerCache | None) -> bool:
+    """The cache hands the layer fused kernels (a paged cache on the Triton backend)."""
+    return getattr(cache, "kernels", None) is not None
+
+
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t.to(dtype)`` without dispatching an op when the dtype already matches."""
     return t if t.dtype == dtype else t.to(dtype)
@@ -62,6 +67,8 @@ class ShortConv(nn.Module):
         self.stream = stream
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerCache | None) -> torch.Tensor:
+        if _fused(cache):  # the cached short-conv kernel reads the conv pool in place
+            return cache.short_convs((self.stream,), (x,), (self.weight,))[0]  # type: ignore[union-attr]
         w, xf = _fp32(self.weight), _fp32(x)  # [C, 1, K], [B, T, C]
         if cache is None:
             conv = F.conv1d(xf.transpose(1, 2), w, padding=self.kernel_size - 1, groups=w.shape[0])
@@ -194,6 +201,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         B, T, _ = x.shape
         terms = terms if terms is not None else AttentionTerms(positions)
+        if cache is not None and _fused(cache):
+            return self._fused_forward(x, cache, terms)
         q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)  # [B, Hq, T, D]
         k = self.k_sconv(self.k_proj(x), positions, cache).view(B, T, self.num_kv_heads, self.head_dim)
         k = self.k_norm(k)  # [B, T, Hkv, D]
@@ -220,6 +229,25 @@ class Attention(nn.Module):
             enable_gqa=True,
         )  # [B, Hq, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+    def _fused_forward(self, x: torch.Tensor, cache: LayerCache, terms: AttentionTerms) -> torch.Tensor:
+        """The same function as :meth:`forward` through the cache's fused kernels: the k and v
+        short convs in one launch, then paged span attention over the pools in place."""
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim))  # [B, T, Hq, D]
+        k, v = cache.short_convs(  # type: ignore[attr-defined]
+            (K_SCONV, V_SCONV), (self.k_proj(x), self.v_proj(x)), (self.k_sconv.weight, self.v_sconv.weight)
+        )  # [B, T, Hkv * D] each
+        k = self.k_norm(k.view(B, T, self.num_kv_heads, self.head_dim))  # [B, T, Hkv, D]
+        v = v.view(B, T, self.num_kv_heads, self.head_dim)
+        r = self.r_proj(x).view(B, T, self.num_heads, self.d_rel)  # [B, T, Hq, d_rel]
+        tau = None
+        if self.log_scaling_n_floor is not None:
+            tau = terms.tau(self.log_scaling_n_floor, self.log_scaling_alpha)[:, 0, :, 0]  # [B, T]
+        out = cache.attend(  # type: ignore[attr-defined]
+            q, k, v, r, self.rel_bias.table, self.window, tau, 1.0 / self.head_dim
+        )  # [B, T, Hq, D]
+        return self.o_proj(out.reshape(B, T, -1))
 
 
 def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ Architecture only. One forward serves both worlds: training calls it on whole se
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
@@ -111,10 +111,27 @@ class InklingLM(nn.Module):
         token_ids: torch.Tensor,
         positions: torch.Tensor,
         cache: LayerCache | None = None,
+        depth_input: Callable[..., torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """One depth over a span: g_d [B, T, H] and tokens x[t+d+1] [B, T] -> g_{d+1} [B, T, H]."""
+        """One depth over a span: g_d [B, T, H] and tokens x[t+d+1] [B, T] -> g_{d+1} [B, T, H].
+
+        ``depth_input``: a fused kernel for the depth's input (``mtp_depth_input`` of
+        :class:`~inkfw.kernels.Kernels`: embedding gather, norms and concatenation in one launch);
+        None: the modules."""
         assert self.mtp is not None, "model was built without MTP depths"
-        return self.mtp(depth, hidden, self.mtp_embed(token_ids), positions, cache)
+        if depth_input is None:
+            return self.mtp(depth, hidden, self.mtp_embed(token_ids), positions, cache)
+        d, backbone_norm = self.mtp.depth(depth), self.backbone.embed_norm
+        z = depth_input(
+            token_ids,
+            self.backbone.embed.weight,
+            backbone_norm.weight if backbone_norm is not None and self.embed_source == "backbone_norm" else None,
+            hidden,
+            d.hidden_norm.weight,
+            d.embed_norm.weight,
+            eps=d.hidden_norm.eps,
+        )  # [B, T, 2H]
+        return self.mtp.from_input(depth, z, positions, cache)
 
     def mtp_chain(
         self,

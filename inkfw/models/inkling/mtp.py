@@ -13,6 +13,8 @@ Embeddings ``e`` and the unembedding are shared with the backbone (see ``model.p
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -33,8 +35,12 @@ class MtpDepth(nn.Module):
     def forward(
         self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, cache: LayerCache | None = None
     ) -> torch.Tensor:
-        z = self.input_proj(torch.cat([self.hidden_norm(hidden), self.embed_norm(embeds)], dim=-1))  # [B, T, H]
-        return self.block(z, positions, cache)
+        return self.from_input(torch.cat([self.hidden_norm(hidden), self.embed_norm(embeds)], dim=-1), positions, cache)
+
+    def from_input(self, z: torch.Tensor, positions: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        """The depth after its normed input ``z`` = cat[hidden_norm(g), embed_norm(e)] [B, T, 2H]
+        (built by :meth:`forward`, or by the fused depth-input kernel, inkfw/kernels/depth_input.py)."""
+        return self.block(self.input_proj(z), positions, cache)  # [B, T, H]
 
 
 class MtpStack(nn.Module):
@@ -58,5 +64,16 @@ class MtpStack(nn.Module):
         cache: LayerCache | None = None,
     ) -> torch.Tensor:
         """Run depth ``depth``: hidden [B, T, H] (g_d), embeds [B, T, H] -> g_{d+1} [B, T, H]."""
-        out = self.depths[depth](hidden, embeds, positions, cache)
+        return self._chained(self.depths[depth](hidden, embeds, positions, cache))
+
+    def from_input(
+        self, depth: int, z: torch.Tensor, positions: torch.Tensor, cache: LayerCache | None = None
+    ) -> torch.Tensor:
+        """Run depth ``depth`` from its normed input z [B, T, 2H] (:meth:`MtpDepth.from_input`)."""
+        return self._chained(self.depth(depth).from_input(z, positions, cache))
+
+    def depth(self, depth: int) -> MtpDepth:
+        return cast(MtpDepth, self.depths[depth])
+
+    def _chained(self, out: torch.Tensor) -> torch.Tensor:
         return self.chain_norm(out) if self.chain_norm is not None else out

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from inkfw.kernels import Kernels
 from inkfw.speculative.draft_view import DraftView
 from inkfw.speculative.interfaces import Drafts, DraftSpan, ForwardRunner, KVManager, TargetModel, TokenSampler
 from inkfw.speculative.observers import run_directly
@@ -49,6 +50,7 @@ class MtpDrafter(StepModes):
         num_tokens: int | None = None,
         num_depths: int | None = None,
         sampler: TokenSampler | None = None,
+        kernels: Kernels | None = None,
         **_: object,
     ):
         view = DraftView.from_config(
@@ -61,6 +63,7 @@ class MtpDrafter(StepModes):
         self.num_depths = view.depths
         self.lookahead = view.prefill_steps  # P
         self.sampler = sampler or Sampler()
+        self.kernels = kernels or Kernels("torch")
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self._rows: dict[Hashable, _RowState] = {}
@@ -142,27 +145,22 @@ class MtpDrafter(StepModes):
         draft_at += [0] * pad
         ext += [[0] * E] * pad
         ends = [s + n - 1 for s, n in zip(starts, lengths)]
-        # src = [tail (P - 1 rows), hidden (Th rows)]: span row j of b is src row P-1-r_b + min(j, len_b - 1)
-        gather = [[P - 1 - r + min(j, max(n - 1, 0)) for j in range(T)] for r, n in zip(takes, lengths)]
-        new_tail = [[n - r + i for i in range(P - 1)] for r, n in zip(takes, lengths)]  # last P-1 rows of src[:P-1+new]
         hidden = torch.stack(
             [F.pad(s.hidden, (0, 0, 0, Th - len(s.hidden))) for s in spans if s.hidden is not None]
             + [spans[0].hidden.new_zeros(Th, spans[0].hidden.shape[-1])] * pad  # type: ignore[union-attr]
         )  # [B, Th, H]
 
         stage = self.buffers.stage
-        # every position is computed here on the host: positions computed inside a compiled graph
-        # that also writes the cache's slot tags miscompiled on CPU (torch 2.13 inductor)
+        # decode positions are computed here on the host: positions computed inside a compiled graph
+        # next to the cache's slot-tag writes miscompiled on CPU (torch 2.13 inductor)
         n_dec = max(0, K - P)
         rows_t = [
             stage("slots", slots),
-            stage("positions", [[s + min(j, max(n - 1, 0)) for j in range(T)] for s, n in zip(starts, lengths)]),
-            stage("valid", [[j < n for j in range(T)] for n in lengths], torch.bool),
-            stage("last", [max(n - 1, 0) for n in lengths]),
+            stage("starts", starts),
+            stage("takes", takes),
+            stage("lengths", lengths),
             stage("decode_positions", [[e + 1 + i for i in range(n_dec)] for e in ends]),
             stage("decode_valid", [[i < w - P for i in range(n_dec)] for w in wants], torch.bool),
-            stage("gather", gather),
-            stage("new_tail", new_tail if P > 1 else [[] for _ in range(B)]),
             stage("ext", ext),
             stage("draft_at", draft_at),
             stage("wants", wants),
@@ -206,34 +204,21 @@ class MtpDrafter(StepModes):
         def greedy_round(*args: torch.Tensor) -> torch.Tensor:
             return self.round(kv, K, None, *args)
 
-        return self._step_function((K, num_table_args), greedy_round, f"draft-round-k{K}", tables_from=12)
+        return self._step_function((K, num_table_args), greedy_round, f"draft-round-k{K}", tables_from=10)
 
     def round(self, kv: KVManager, K: int, chooser: _SampledChooser | None, *args: torch.Tensor) -> torch.Tensor:
         """One drafting round over staged tensors (see :meth:`propose`); tensor ops only when
         ``chooser`` is None (greedy). Returns draft tokens [B, K]."""
         model, P, D = self.model, self.lookahead, self.num_depths
-        (
-            hidden,
-            slots,
-            positions,
-            valid,
-            last,
-            decode_positions,
-            decode_valid,
-            gather,
-            new_tail,
-            ext,
-            draft_at,
-            wants,
-        ) = args[:12]
-        tables = args[12:]
-        B, T = gather.shape  # positions, valid [B, T]; last [B]: the span's last row
+        hidden, slots, starts, takes, lengths, decode_positions, decode_valid, ext, draft_at, wants = args[:10]
+        tables = args[10:]
+        B, T = ext.shape[0], ext.shape[1] - max(K, P)  # the span width (ext: T + max(K, P) tokens)
         device = hidden.device
         rows = torch.arange(B, device=device)
-        src = torch.cat([self.tail[slots], hidden.to(self.tail.dtype)], dim=1)  # [B, P-1+Th, H]
-        g = src.gather(1, gather[:, :, None].expand(-1, -1, src.shape[-1]))  # [B, T, H]
-        if P > 1:
-            self.tail.index_copy_(0, slots, src.gather(1, new_tail[:, :, None].expand(-1, -1, src.shape[-1])))
+        # the span's hidden rows (re-prefilled tail rows, then the new ones) and the slot's new tail
+        g, positions, valid, last = self.kernels.prepare_draft_spans(
+            self.tail, hidden, slots, starts, takes, lengths, width=T
+        )  # [B, T, H], [B, T], [B, T], [B]
 
         def depth_tables(d: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
             groups = kv.group_indices(d)
@@ -241,6 +226,7 @@ class MtpDrafter(StepModes):
             return {gi: (tables[at + 2 * i], tables[at + 2 * i + 1]) for i, gi in enumerate(groups)}
 
         tokens = torch.zeros(B, K, dtype=torch.long, device=device)
+        depth_input = self.kernels.mtp_depth_input if self.kernels.fused else None  # else the depth's modules
 
         def choose(step: int, logits: torch.Tensor) -> None:  # logits [B, V] -> drafts[:, step], written into ext
             tok = logits.argmax(-1) if chooser is None else chooser(step, logits)
@@ -251,7 +237,7 @@ class MtpDrafter(StepModes):
         # ---- prefill steps: depth s over the whole span (every round, so each depth's cache stays whole)
         for s in range(P):
             cache = kv.caches_from(depth_tables(s), positions, valid, draft_depth=s)[0]
-            g = model.mtp_step(s, g, ext[:, s : s + T], positions, cache)  # [B, T, H]
+            g = model.mtp_step(s, g, ext[:, s : s + T], positions, cache, depth_input)  # [B, T, H]
             if s < K:
                 choose(s, model.logits(g[rows, last]))
 
@@ -265,7 +251,7 @@ class MtpDrafter(StepModes):
                 pos = decode_positions[:, s - P : s - P + 1]  # [B, 1]
                 active = decode_valid[:, s - P : s - P + 1]  # [B, 1]: wants > s
                 cache = kv.caches_from(depth_tables(s % D), pos, active, draft_depth=s % D)[0]
-                g_last = model.mtp_step(s % D, g_last, tokens[:, s - 1 : s], pos, cache)
+                g_last = model.mtp_step(s % D, g_last, tokens[:, s - 1 : s], pos, cache, depth_input)
                 choose(s, model.logits(g_last[:, 0]))
         return tokens
 

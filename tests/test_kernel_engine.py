@@ -1,0 +1,113 @@
+"""The engine on the Triton backend (``kernels.backend=triton``; the CPU runs Triton's
+interpreter, docs/design.md §5): greedy and seeded sampled outputs equal the torch backend's
+token for token, MTP drafts pass the uncached reference check, every kernel actually runs, and
+the backend choice behaves (auto: torch on CPU; bad values and combinations fail in one
+sentence)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from helpers.engine import NO_DRAFTER, generate, make_engine, mtp, one_thread, outputs, spec_model  # noqa: F401
+from inkfw.errors import ConfigError
+from inkfw.kernels import OPS, Kernels, check_backend, implementation, resolve_backend
+from inkfw.speculative.sampling import SamplingParams
+
+pytestmark = pytest.mark.kernel
+
+VOCAB = 120  # logits vocabulary of spec_model()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return spec_model(seed=3)
+
+
+def prompts_of(seed: int, n: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 11))] for _ in range(n)]
+
+
+def counting(engine) -> Counter:
+    """Count calls of each op of the engine's one Kernels object (shared by verifier, drafter, KV)."""
+    kernels, calls = engine.verifier.kernels, Counter()
+    assert getattr(engine.drafter, "kernels", kernels) is kernels and engine.kv.kernels is kernels  # none: no drafter
+    for op in OPS:
+        fn = getattr(kernels, op)
+
+        def counted(*args, _fn=fn, _op=op, **kwargs):
+            calls[_op] += 1
+            return _fn(*args, **kwargs)
+
+        setattr(kernels, op, counted)
+    return calls
+
+
+def run(model, drafter, prompts, backend, params=None, new=7):
+    engine, kv = make_engine(model, drafter, overrides=[f"kernels.backend={backend}"], max_num_seqs=4)
+    calls = counting(engine) if backend == "triton" else Counter()
+    reqs = [engine.add_request(p, params, max_new_tokens=new) for p in prompts]
+    engine.generate(reqs)
+    assert all(r.finish_reason in ("length", "stop") for r in reqs), [r.error for r in reqs]
+    assert kv.is_whole()
+    return outputs(reqs), calls
+
+
+@pytest.mark.parametrize("drafter", [mtp(2, 3), NO_DRAFTER], ids=["mtp-D2-k3", "plain"])
+def test_triton_backend_greedy_equals_torch(model, drafter):
+    """k > D exercises the drafter's decode steps; check_drafts (on in make_engine) compares every
+    draft with the uncached reference, so the fused attention, convs and depth input are exact."""
+    prompts = prompts_of(1, 3)
+    ours, calls = run(model, drafter, prompts, "triton")
+    theirs, _ = run(model, drafter, prompts, "torch")
+    assert ours == theirs
+    fused = {"paged_span_attention", "cached_short_conv", "greedy_accept"}
+    if drafter != NO_DRAFTER:
+        fused |= {"prepare_draft_spans", "mtp_depth_input"}
+    assert fused <= {op for op, n in calls.items() if n > 0}, calls
+
+
+def test_triton_backend_sampled_equals_torch(model):
+    """Seeded sampling draws the same numbers on both backends; the rejection-sampling kernel
+    turns them into the same tokens as the reference."""
+    prompts = prompts_of(2, 2)
+    params = SamplingParams(temperature=0.9, top_k=20, seed=11)
+    ours, calls = run(model, mtp(2, 2), prompts, "triton", params=params)
+    theirs, _ = run(model, mtp(2, 2), prompts, "torch", params=params)
+    assert ours == theirs
+    assert calls["rejection_sample"] > 0
+
+
+def test_backend_choice():
+    assert resolve_backend("auto", "cpu") == "torch"
+    assert resolve_backend("auto", "cuda") == "triton"
+    assert resolve_backend("torch", "cuda") == "torch"
+    triton, torch_ = Kernels("triton", "cpu"), Kernels("torch", "cpu")
+    assert triton.fused and not torch_.fused
+    for op in OPS:
+        assert getattr(triton, op).__name__ == f"{op}_triton"
+        assert getattr(torch_, op) is implementation(op, "torch")
+    with pytest.raises(ConfigError, match="kernels.backend must be one of"):
+        check_backend("cuda")
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
+        resolve_backend("triton", "cpu")
+
+
+def test_bad_kernel_options_fail_in_one_sentence(model):
+    with pytest.raises(ConfigError, match="kernels.backend must be one of"):
+        make_engine(model, NO_DRAFTER, overrides=["kernels.backend=cuda"])
+    with pytest.raises(ConfigError, match="torch.compile cannot"):
+        make_engine(model, NO_DRAFTER, overrides=["kernels.backend=triton", "engine.compile=true"])
+
+
+def test_torch_backend_keeps_the_modules(model):
+    """On the torch backend the layers run their own modules: the KV manager hands them no kernels."""
+    engine, kv = make_engine(model, NO_DRAFTER, overrides=["kernels.backend=torch"])
+    assert kv.kernels is None and engine.verifier.kernels.backend == "torch"
