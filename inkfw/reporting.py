@@ -8,9 +8,10 @@ Two halves, kept apart (docs/design.md §6 defines the metrics):
   :class:`~inkfw.speculative.engine.StepTimes`, with throughput). The benchmark's per
   configuration results are collected by :mod:`inkfw.bench.timing`.
 * **renderings** of those dicts: rich tables (:func:`infer_table`, :func:`bench_table`,
-  :func:`overhead_table`), the per-request listing (:func:`print_requests`), Markdown
-  (:func:`bench_markdown`), PNG plots (:func:`bench_plot`, :func:`bench_acceptance_plot`,
-  :func:`overhead_plot`) and atomic JSON / text files (:func:`write_json_atomic`).
+  :func:`overhead_table`, :func:`kernel_table`), the per-request listing
+  (:func:`print_requests`), Markdown (:func:`bench_markdown`, :func:`kernel_markdown`), PNG
+  plots (:func:`bench_plot`, :func:`bench_acceptance_plot`, :func:`overhead_plot`) and atomic
+  JSON / text files (:func:`write_json_atomic`).
 
 Used by ``scripts/infer.py`` (:mod:`inkfw.infer`) and ``scripts/bench.py`` (:mod:`inkfw.bench`).
 """
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -284,7 +286,8 @@ def bench_table(report: dict[str, Any]) -> Table:
 
 def bench_markdown(report: dict[str, Any]) -> str:
     """``bench.md``: the speed table, the 1-token forward, the engine's step split and overhead
-    (:func:`overhead_markdown`) and the greedy exactness check."""
+    (:func:`overhead_markdown`), the kernel timings (:func:`kernel_markdown`, when measured) and
+    the greedy exactness check."""
     lines = [f"# Benchmark: {_bench_title(report)}", ""]
     forward = _forward_line(report)
     if forward:
@@ -294,6 +297,8 @@ def bench_markdown(report: dict[str, Any]) -> str:
     inkfw_rows = [r for r in report["results"] if r["system"] == "inkfw"]
     if inkfw_rows:
         lines += ["", "## Engine step and overhead", "", overhead_markdown(inkfw_rows).rstrip("\n")]
+    if report.get("kernels"):
+        lines += ["", "## Kernels", "", kernel_markdown(report["kernels"]).rstrip("\n")]
     exact = report["exactness"]
     lines += ["", "## Greedy exactness", ""]
     if not exact["checked"]:
@@ -386,6 +391,62 @@ def bench_acceptance_plot(report: dict[str, Any], path: str | Path) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+# ---------------------------------------------------------------- benchmark: kernels
+KERNEL_COLUMNS = ("op", "shape", "batch", "context", "torch ms", "triton ms", "speed-up", "agree", "max |diff|")
+
+
+def _kernel_title(kernels: dict[str, Any]) -> str:
+    return (
+        f"kernels: Triton against the torch reference (verify span T={kernels['span']}, block size "
+        f"{kernels['block_size']}, median of {kernels['repeats']})"
+        + ("; Triton interpreter on the CPU: its times mean nothing" if kernels["interpreter"] else "")
+    )
+
+
+def _kernel_cells(r: dict[str, Any]) -> list[str]:
+    return [
+        r["op"],
+        r["shape"],
+        str(r["batch"]),
+        "-" if r["context"] is None else str(r["context"]),
+        f"{r['torch_ms']:.3f}",
+        f"{r['triton_ms']:.3f}",
+        _times(r["speedup"]),
+        "yes" if r["agree"] else "NO",
+        f"{r['max_abs_diff']:.2g}",
+    ]
+
+
+def kernel_table(kernels: dict[str, Any]) -> Table:
+    """``bench.json``'s ``kernels`` section (:func:`inkfw.bench.kernels.kernel_report`) as a rich
+    table: per op, batch size and context, the median ms of both implementations, the speed-up
+    (green when Triton is faster) and whether they agree (``verify_forward``: the greedy argmax)."""
+    table = Table(title=_kernel_title(kernels))
+    for col in KERNEL_COLUMNS:
+        table.add_column(col, justify="left" if col in ("op", "shape", "agree") else "right")
+    for r in kernels["rows"]:
+        cells = [escape(c) for c in _kernel_cells(r)]  # op names hold brackets: paged_span_attention[global]
+        if r["speedup"] is not None:
+            style = "green" if r["speedup"] >= 1.0 else "red"
+            cells[6] = f"[{style}]{cells[6]}[/{style}]"
+        if not r["agree"]:
+            cells[7] = f"[red]{cells[7]}[/red]"
+        table.add_row(*cells)
+    return table
+
+
+def kernel_markdown(kernels: dict[str, Any]) -> str:
+    """The ``kernels`` section as Markdown: its title, then the table of :func:`kernel_table`."""
+    lines = [
+        _kernel_title(kernels) + ".",
+        "",
+        "| " + " | ".join(KERNEL_COLUMNS) + " |",
+        "|" + "---|" * len(KERNEL_COLUMNS),
+    ]
+    lines += ["| " + " | ".join(_kernel_cells(r)) + " |" for r in kernels["rows"]]
+    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------- benchmark: engine overhead

@@ -354,6 +354,8 @@ def test_gpu_preset_runs_on_a_cpu_with_a_tiny_override(tmp_path):
     assert list(cfg.batch_sizes) == [1, 16] and list(cfg.num_tokens) == [8, "auto"]
     assert list(cfg.hf) == ["generate", "generate_mtp"] and list(cfg.prompt_sets) == ["stdlib-heldout"]
     cfg.num_tokens = [8]  # auto's engine side is the engine's tests' business
+    assert cfg.kernel_timings is True  # Triton's interpreter at these sizes: tests/test_bench_kernels.py's business
+    cfg.kernel_timings = False
     report = run_bench(cfg)
     names = [r["name"] for r in report["results"]]
     assert names == [

@@ -29,7 +29,9 @@ Reported per run (``bench.json``; rendered by :mod:`inkfw.reporting`):
 * the engine's step split and overhead = step time / forward time (:mod:`inkfw.bench.timing`).
 
 Once per model: top-level aten ops and eager wall time of a 1-token forward
-(:mod:`inkfw.profiling`, as ``scripts/count_ops.py`` counts them).
+(:mod:`inkfw.profiling`, as ``scripts/count_ops.py`` counts them), and with ``kernel_timings``
+each Triton kernel against its torch reference and the verify forward with both kernel backends
+(:mod:`inkfw.bench.kernels`; ``bench.json``'s ``kernels``).
 
 Greedy outputs are checked token for token (:mod:`inkfw.bench.exactness`); a difference makes
 the command exit 1 after its files are written. Measuring only: nothing here changes what the
@@ -54,6 +56,7 @@ from rich.console import Console
 
 from inkfw.bench.exactness import ExactnessCheck, differing_requests, unchecked_summary
 from inkfw.bench.hf_baseline import HfBaseline
+from inkfw.bench.kernels import kernel_bench_options, kernel_report
 from inkfw.bench.plan import (
     AUTO,
     HF_SYSTEMS,
@@ -84,6 +87,7 @@ from inkfw.reporting import (
     bench_markdown,
     bench_plot,
     bench_table,
+    kernel_table,
     overhead_plot,
     overhead_table,
     write_json_atomic,
@@ -469,6 +473,7 @@ def run_bench(cfg: Any) -> dict[str, Any]:
         if "generate_mtp" in opts.hf and mcfg.mtp.num_nextn_predict_layers == 0:
             raise ConfigError("hf=generate_mtp needs MTP depths, but the checkpoint ships none.")
     device, dtype = resolve_device(cfg.device), parse_dtype(cfg.dtype)
+    kernel_opts = kernel_bench_options(cfg, device)
 
     tokenizer = load_tokenizer(cfg.model)
     prompt_sets = {
@@ -497,6 +502,14 @@ def run_bench(cfg: Any) -> dict[str, Any]:
     )
 
     forward = one_token_forward_report(model, opts.forward_ops, opts.forward_repeats)
+    kernels = kernel_report(
+        model,
+        device,
+        kernel_opts,
+        opts.forward_repeats,
+        block_size,
+        progress=lambda line: console.print(line, markup=False, highlight=False),
+    )
     hf = (
         HfBaseline(resolve_path(cfg.model.path), dtype, device, mcfg.eos_token_ids, opts.ignore_eos)
         if opts.hf
@@ -556,11 +569,16 @@ def run_bench(cfg: Any) -> dict[str, Any]:
         "ignore_eos": opts.ignore_eos,
         "repeats": opts.repeats,
         "one_token_forward": forward,
+        "kernels": kernels,
         "results": rows,
         "exactness": exactness,
         "hf_vs_inkfw_greedy": rounds.hf_vs_inkfw,
     }
     console.print(bench_table(report))
+    if kernels is not None:
+        console.print(kernel_table(kernels))
+        if not kernels["greedy_agree"]:
+            console.print("[red]kernels: the Triton verify forward's argmax differs from the torch backend's[/red]")
     if bool(cfg.profile) or bool(cfg.cache_time):
         console.print(overhead_table([r for r in rows if r["system"] == "inkfw"], bool(cfg.profile)))
     if check is not None and check.ok:
