@@ -7,6 +7,8 @@ sentence)."""
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -94,10 +96,31 @@ def test_backend_choice():
         check_backend("cuda")
 
 
-def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
-        resolve_backend("triton", "cpu")
+PROBE = """
+import os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+if sys.argv[1] == "imported-first":
+    import triton.language  # as loading a model can: Triton now runs compiled, not interpreted
+from inkfw.errors import ConfigError
+from inkfw.kernels import prepare_backend, resolve_backend
+prepare_backend("triton", "cpu")
+try:
+    print(resolve_backend("triton", "cpu"))
+except ConfigError as exc:
+    print("error:", exc)
+"""
+
+
+@pytest.mark.parametrize("order", ["prepared-first", "imported-first"])
+def test_triton_on_cpu_chooses_the_interpreter_before_triton_loads(order):
+    """Triton fixes interpreted-or-compiled when it is imported: the factory's early
+    prepare_backend chooses the interpreter; once Triton is loaded without it, one sentence."""
+    out = subprocess.run([sys.executable, "-c", PROBE, order], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    if order == "prepared-first":
+        assert out.stdout.strip() == "triton"
+    else:
+        assert out.stdout.startswith("error: kernels.backend=triton on the CPU") and "TRITON_INTERPRET=1" in out.stdout
 
 
 def test_bad_kernel_options_fail_in_one_sentence(model):

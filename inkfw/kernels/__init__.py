@@ -6,7 +6,8 @@ signature. :class:`Kernels` binds one implementation of every op for the engine;
 
 * ``auto``: Triton on CUDA, torch on CPU;
 * ``triton``: Triton everywhere. On CPU the kernels run in Triton's interpreter
-  (``TRITON_INTERPRET=1``, set here before the kernels are defined): exact but slow, for tests;
+  (``TRITON_INTERPRET=1``, chosen by :func:`prepare_backend` before Triton is imported): exact
+  but slow, for tests;
 * ``torch``: the references, i.e. the model's own modules.
 
 With torch, the paged attention and the cached short convolutions run as the model's modules
@@ -47,21 +48,40 @@ def check_backend(backend: object) -> str:
     return str(backend)
 
 
+def use_interpreter() -> bool:
+    """Choose Triton's interpreter (``TRITON_INTERPRET=1``) if Triton is not imported yet, and say
+    whether it runs interpreted. Triton fixes the choice when ``triton.language`` is imported
+    (its own ``@triton.jit`` functions are built then), and loading a model may import it, so
+    call this before the model is built."""
+    if "triton" not in sys.modules and os.environ.get("TRITON_INTERPRET") is None:
+        os.environ["TRITON_INTERPRET"] = "1"
+    import triton.language as tl
+
+    return type(tl.zeros).__name__ == "InterpretedFunction"
+
+
+def prepare_backend(backend: object, device: str | None) -> str:
+    """Validate ``backend`` before anything is built; for Triton without CUDA (``device`` is the
+    config's ``device`` option: ``cpu``, ``cuda``, or ``auto``/None), choose the interpreter
+    while that is still possible (:func:`use_interpreter`)."""
+    backend = check_backend(backend)
+    on_cpu = device == "cpu" or (device in (None, "auto") and not torch.cuda.is_available())
+    if backend == "triton" and on_cpu:
+        use_interpreter()
+    return backend
+
+
 def resolve_backend(backend: str, device: torch.device | str) -> str:
     """``triton`` or ``torch`` for ``backend`` on ``device`` (``auto``: Triton on CUDA only)."""
     check_backend(backend)
     device = torch.device(device)
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
-    if backend == "triton" and device.type != "cuda":
-        loaded = any(f"{__name__}.{m}" in sys.modules for m in set(OPS.values()))
-        interpret = os.environ.get("TRITON_INTERPRET")
-        if interpret not in (None, "1") or (interpret is None and loaded):
-            raise ConfigError(
-                "kernels.backend=triton on the CPU runs Triton's interpreter, which must be chosen before "
-                "the kernels are defined: set TRITON_INTERPRET=1 in the environment (or use kernels.backend=torch)."
-            )
-        os.environ["TRITON_INTERPRET"] = "1"
+    if backend == "triton" and device.type != "cuda" and not use_interpreter():
+        raise ConfigError(
+            "kernels.backend=triton on the CPU runs Triton's interpreter, which must be chosen before "
+            "Triton is imported: set TRITON_INTERPRET=1 in the environment (or use kernels.backend=torch)."
+        )
     return backend
 
 

@@ -42,7 +42,7 @@ from omegaconf import DictConfig
 
 from inkfw.checkpoint import read_tokenizer
 from inkfw.errors import ConfigError
-from inkfw.kernels import Kernels, check_backend
+from inkfw.kernels import Kernels, prepare_backend
 from inkfw.nodes import build_node
 from inkfw.paths import config_dir
 from inkfw.presets import build_model, plain, resolve_path
@@ -244,7 +244,7 @@ def build_engine(cfg: Any, model=None, tokenizer=None) -> tuple[Engine, Any]:
     """
     kind, depths, k = engine_options(cfg)
     ec = engine_config(cfg)  # fail on bad engine and kernel options before loading anything
-    check_backend(_get(cfg, "kernels.backend", "auto"))
+    prepare_backend(_get(cfg, "kernels.backend", "auto"), _get(cfg, "device", "auto"))
     if model is None:
         # build (or read) only the depths the drafter uses; a random-init preset's backbone is
         # the same whatever number of depths is built
