@@ -50,18 +50,41 @@ def count_aten_ops(fn: Callable[[], Any], nested: bool = False) -> int:
     return sum(aten_op_histogram(fn, nested).values())
 
 
-def wall_time(fn: Callable[[], Any], repeats: int = 50, warmup: int = 5) -> float:
-    """Median seconds of one ``fn()`` call over ``repeats`` calls (after ``warmup`` calls)."""
+def timed_calls(
+    fn: Callable[[], Any], repeats: int = 50, warmup: int = 5, device: torch.device | None = None
+) -> tuple[float, Any]:
+    """(median seconds of one ``fn()`` call over ``repeats`` calls after ``warmup`` calls, what the
+    first timed call returned): CUDA events around each call on a CUDA ``device`` (one synchronize
+    at the end), ``perf_counter`` elsewhere."""
+    on_cuda = device is not None and device.type == "cuda"
+    mark: Callable[[], Any] = _cuda_mark if on_cuda else time.perf_counter
+    first: Any = None
     with torch.no_grad():
         for _ in range(warmup):
             fn()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-    times.sort()
-    return times[len(times) // 2]
+        if on_cuda:
+            torch.cuda.synchronize(device)
+        marks = []
+        for i in range(repeats):
+            start = mark()
+            out = fn()
+            marks.append((start, mark()))
+            first = out if i == 0 else first
+        if on_cuda:
+            torch.cuda.synchronize(device)
+    times = sorted(s.elapsed_time(e) / 1e3 if on_cuda else e - s for s, e in marks)
+    return times[len(times) // 2], first
+
+
+def _cuda_mark() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def wall_time(fn: Callable[[], Any], repeats: int = 50, warmup: int = 5) -> float:
+    """Median seconds of one ``fn()`` call over ``repeats`` calls (after ``warmup`` calls)."""
+    return timed_calls(fn, repeats, warmup)[0]
 
 
 HOST_READ_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "to")

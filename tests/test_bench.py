@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from rich.console import Console
 
+from helpers.bench import bench_cfg, restore_threads  # noqa: F401
 from inkfw.bench import run_bench
 from inkfw.bench.exactness import ExactnessCheck, differing_requests, first_difference
 from inkfw.bench.hf_baseline import HfBaseline
@@ -26,11 +26,9 @@ from inkfw.bench.run import adaptive_predicted_speedup, add_speedups
 from inkfw.bench.timing import predicted_speedup
 from inkfw.errors import ConfigError
 from inkfw.eval_acceptance import humaneval_prompts
-from inkfw.paths import config_dir
 from inkfw.reporting import bench_acceptance_plot, bench_markdown, bench_plot, bench_table
 from inkfw.speculative.factory import load_tokenizer
 
-CONF = config_dir()
 ROOT = Path(__file__).resolve().parent.parent
 CKPT = ROOT / "checkpoints" / "inkling-tiny"
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -60,18 +58,6 @@ DEBUG = [  # the random-init debug preset: random prompts, no HF baseline
     "forward_ops=[]",
     "threads=1",
 ]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def restore_threads():
-    before = torch.get_num_threads()  # the benchmark sets threads
-    yield
-    torch.set_num_threads(before)
-
-
-def bench_cfg(*overrides: str, name: str = "bench"):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(name, overrides=list(overrides))
 
 
 # ------------------------------------------------------------------ the plan

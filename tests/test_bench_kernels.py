@@ -10,15 +10,14 @@ import json
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from rich.console import Console
 
 import inkfw.kernels
+from helpers.bench import bench_cfg, restore_threads  # noqa: F401
 from inkfw.bench import run_bench
 from inkfw.bench.kernels import compare, kernel_timings, op_cases, time_case, verify_row
 from inkfw.errors import ConfigError
 from inkfw.kernels import implementation
-from inkfw.paths import config_dir
 from inkfw.reporting import kernel_markdown, kernel_table
 
 pytestmark = pytest.mark.kernel
@@ -30,18 +29,6 @@ CACHE_OPS = [
     "cached_short_conv[k,v]",
     "cached_short_conv[hidden]",
 ]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def restore_threads():
-    before = torch.get_num_threads()  # the benchmark sets threads
-    yield
-    torch.set_num_threads(before)
-
-
-def bench_cfg(*overrides: str, name: str = "bench"):
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        return compose(name, overrides=list(overrides))
 
 
 def test_every_op_and_the_verify_forward_agree_across_backends(model, cfg):

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import functools
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +46,7 @@ from inkfw.bench.plan import positive_ints
 from inkfw.cache.interface import EMPTY_POSITION
 from inkfw.errors import ConfigError
 from inkfw.kernels import Kernels, implementation, resolve_backend
+from inkfw.profiling import timed_calls
 
 SPAN = 9  # verify span T = k + 1 with k = 8 drafts (the shipped checkpoint's D)
 PREFILL_CHUNK = 32  # tokens per request per prefill forward (the span kernels' T <= 32)
@@ -83,34 +83,10 @@ def kernel_bench_options(cfg: Any, device: torch.device) -> KernelBenchOptions:
 
 # ------------------------------------------------------------------------ timing and comparison
 def timed(fn: Callable[[], Any], repeats: int, warmup: int, device: torch.device) -> tuple[float, Any]:
-    """(median milliseconds of one ``fn()`` call over ``repeats`` calls after ``warmup`` calls, what
-    the first timed call returned): CUDA events around each call on a GPU (one synchronize at the
-    end), ``perf_counter`` elsewhere."""
-    first: Any = None
-    with torch.no_grad():
-        for _ in range(warmup):
-            fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            events = []
-            for i in range(repeats):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                out = fn()
-                end.record()
-                events.append((start, end))
-                first = out if i == 0 else first
-            torch.cuda.synchronize(device)
-            times = sorted(start.elapsed_time(end) for start, end in events)
-        else:
-            times = []
-            for i in range(repeats):
-                t = time.perf_counter()
-                out = fn()
-                times.append(1e3 * (time.perf_counter() - t))
-                first = out if i == 0 else first
-            times.sort()
-    return times[len(times) // 2], first
+    """(median milliseconds of one ``fn()`` call, what the first timed call returned): see
+    :func:`inkfw.profiling.timed_calls`."""
+    seconds, first = timed_calls(fn, repeats, warmup, device)
+    return 1e3 * seconds, first
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:

@@ -210,13 +210,11 @@ class PagedLayerCache:
         """Store ``k, v`` [B, T, Hkv, D], then attend: q [B, T, Hq, D], r [B, T, Hq, d_rel] ->
         [B, T, Hq, D], with the paged span attention kernel (inkfw/kernels/paged_attention.py)."""
         assert self.kernels is not None, "attend() needs fused kernels"
-        (ks, vs), view = self.kv, self.kv_view
-        ks.index_copy_(0, view.write_slots, k.reshape(-1, *k.shape[2:]).to(ks.dtype))
-        vs.index_copy_(0, view.write_slots, v.reshape(-1, *v.shape[2:]).to(vs.dtype))
+        view = self.kv_view
+        self._store_kv(k, v)
         return self.kernels.paged_span_attention(
             q,
-            ks,
-            vs,
+            *self.kv,
             view.group.slot_pos,
             view.table,
             view.base,
@@ -250,10 +248,15 @@ class PagedLayerCache:
         )  # [S, B, T, C]
         return list(y.unbind(0))
 
+    def _store_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k, v [B, T, Hkv, D] to this forward's slots (padding: the scratch slot)."""
+        slots = self.kv_view.write_slots
+        for pool, new in zip(self.kv, (k, v)):
+            pool.index_copy_(0, slots, new.reshape(-1, *new.shape[2:]).to(pool.dtype))
+
     def update_kv(self, k, v, positions):
-        (ks, vs), slots = self.kv, self.kv_view.write_slots
-        ks.index_copy_(0, slots, k.reshape(-1, *k.shape[2:]).to(ks.dtype))
-        vs.index_copy_(0, slots, v.reshape(-1, *v.shape[2:]).to(vs.dtype))
+        self._store_kv(k, v)
+        ks, vs = self.kv
         key_slots, key_positions = self.kv_view.keys()
         flat = key_slots.reshape(-1)
         shape = (*key_slots.shape, *ks.shape[1:])

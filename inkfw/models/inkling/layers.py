@@ -201,14 +201,28 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         B, T, _ = x.shape
         terms = terms if terms is not None else AttentionTerms(positions)
-        if cache is not None and _fused(cache):
-            return self._fused_forward(x, cache, terms)
-        q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)  # [B, Hq, T, D]
-        k = self.k_sconv(self.k_proj(x), positions, cache).view(B, T, self.num_kv_heads, self.head_dim)
-        k = self.k_norm(k)  # [B, T, Hkv, D]
-        v = self.v_sconv(self.v_proj(x), positions, cache).view(B, T, self.num_kv_heads, self.head_dim)
+        fused = cache is not None and _fused(cache)  # the cache's kernels read its pools in place
+        q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim))  # [B, T, Hq, D]
+        if fused:  # the k and v short convs in one launch
+            k, v = cache.short_convs(  # type: ignore[union-attr]
+                (K_SCONV, V_SCONV), (self.k_proj(x), self.v_proj(x)), (self.k_sconv.weight, self.v_sconv.weight)
+            )
+        else:
+            k, v = self.k_sconv(self.k_proj(x), positions, cache), self.v_sconv(self.v_proj(x), positions, cache)
+        k = self.k_norm(k.view(B, T, self.num_kv_heads, self.head_dim))  # [B, T, Hkv, D]
+        v = v.view(B, T, self.num_kv_heads, self.head_dim)
         r = self.r_proj(x).view(B, T, self.num_heads, self.d_rel)  # [B, T, Hq, d_rel]
 
+        if fused:  # paged span attention over the pools, bias and masks inside the kernel
+            tau = None
+            if self.log_scaling_n_floor is not None:
+                tau = terms.tau(self.log_scaling_n_floor, self.log_scaling_alpha)[:, 0, :, 0]  # [B, T]
+            out = cache.attend(  # type: ignore[union-attr]
+                q, k, v, r, self.rel_bias.table, self.window, tau, 1.0 / self.head_dim
+            )  # [B, T, Hq, D]
+            return self.o_proj(out.reshape(B, T, -1))
+
+        q = q.transpose(1, 2)  # [B, Hq, T, D]
         if cache is None:
             keys, values, key_positions = k, v, positions
         else:
@@ -229,25 +243,6 @@ class Attention(nn.Module):
             enable_gqa=True,
         )  # [B, Hq, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
-
-    def _fused_forward(self, x: torch.Tensor, cache: LayerCache, terms: AttentionTerms) -> torch.Tensor:
-        """The same function as :meth:`forward` through the cache's fused kernels: the k and v
-        short convs in one launch, then paged span attention over the pools in place."""
-        B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim))  # [B, T, Hq, D]
-        k, v = cache.short_convs(  # type: ignore[attr-defined]
-            (K_SCONV, V_SCONV), (self.k_proj(x), self.v_proj(x)), (self.k_sconv.weight, self.v_sconv.weight)
-        )  # [B, T, Hkv * D] each
-        k = self.k_norm(k.view(B, T, self.num_kv_heads, self.head_dim))  # [B, T, Hkv, D]
-        v = v.view(B, T, self.num_kv_heads, self.head_dim)
-        r = self.r_proj(x).view(B, T, self.num_heads, self.d_rel)  # [B, T, Hq, d_rel]
-        tau = None
-        if self.log_scaling_n_floor is not None:
-            tau = terms.tau(self.log_scaling_n_floor, self.log_scaling_alpha)[:, 0, :, 0]  # [B, T]
-        out = cache.attend(  # type: ignore[attr-defined]
-            q, k, v, r, self.rel_bias.table, self.window, tau, 1.0 / self.head_dim
-        )  # [B, T, Hq, D]
-        return self.o_proj(out.reshape(B, T, -1))
 
 
 def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
