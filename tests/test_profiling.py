@@ -43,11 +43,11 @@ def test_one_token_forwards_agree_and_fit_the_op_budget():
     torch.testing.assert_close(paged_model, paged, atol=0, rtol=0)
 
 
-def run_script(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+def run_script(tmp_path: Path, *overrides: str, script: str = "count_ops.py") -> subprocess.CompletedProcess:
     return subprocess.run(
         [
             sys.executable,
-            str(ROOT / "scripts" / "count_ops.py"),
+            str(ROOT / "scripts" / script),
             *overrides,
             "hydra.run.dir=" + str(tmp_path / "hydra"),
             "hydra.output_subdir=null",
@@ -150,3 +150,48 @@ def test_count_host_reads_restores_the_methods():
         pass
     torch.tensor(3).item()
     assert reads.count == 0
+
+
+def test_step_parts_sorts_events_and_leaves_the_rest_to_the_host():
+    from inkfw.bench.step_profile import HOST, OTHER_OPS, step_parts
+
+    events = [
+        ("aten::mm", 20, 0.004),
+        ("graph_0_cpp_fused_add_index_copy_3", 4, 0.002),
+        ("TorchDynamo Cache Lookup", 2, 0.001),
+        ("aten::_scaled_dot_product_flash_attention_for_cpu", 4, 0.0005),
+        ("aten::add", 10, 0.0005),
+    ]
+    parts = step_parts(events, wall_s=0.010, steps=2)  # 5 ms per step
+    assert parts["matmuls (aten::mm, addmm, bmm)"] == pytest.approx(2.0)
+    assert parts["inductor fused kernels"] == pytest.approx(1.0)
+    assert parts["dynamo guards + bytecode"] == pytest.approx(0.5)
+    assert parts["attention (SDPA)"] == pytest.approx(0.25)
+    assert parts[OTHER_OPS] == pytest.approx(0.25)
+    assert parts[HOST] == pytest.approx(1.0)
+    assert sum(parts.values()) == pytest.approx(5.0)
+
+
+def run_profile_step(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return run_script(tmp_path, "model=inkling-debug", "prompt_set=random", *overrides, script="profile_step.py")
+
+
+def test_profile_step_script_splits_decode_steps(tmp_path):
+    import json
+
+    out = run_profile_step(tmp_path, "spec.num_tokens=2", "batch_size=2", "steps=3", f"output={tmp_path}/p.json")
+    assert out.returncode == 0, out.stderr
+    assert "decode step, mtp k=2, eager, batch 2" in out.stdout and "costliest ops" in out.stdout
+    result = json.loads((tmp_path / "p.json").read_text())
+    assert result["steps"] == 3 and result["batch_size"] == 2
+    assert sum(result["parts_ms"].values()) == pytest.approx(result["step_ms"], rel=1e-6)
+    assert result["parts_ms"]["matmuls (aten::mm, addmm, bmm)"] > 0
+    assert result["parts_ms"]["inductor fused kernels"] == 0  # eager: nothing compiled
+    assert any(op["name"] == "aten::mm" for op in result["top_ops"])
+
+
+def test_profile_step_script_rejects_a_bad_option(tmp_path):
+    out = run_profile_step(tmp_path, "steps=0")
+    assert out.returncode == 2
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip() and "USDT" not in ln]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "steps" in lines[0]

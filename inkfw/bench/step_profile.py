@@ -1,0 +1,161 @@
+"""Where a decode step's time goes: ``scripts/profile_step.py`` (``inkfw/conf/profile_step.yaml``).
+
+The engine is built as ``scripts/infer.py`` builds it (the same config groups and options,
+e.g. ``spec.num_tokens=8 engine.compile=true``) and warmed up
+(:meth:`Engine.warmup`: compiles with ``engine.compile=true``). A batch of prompts is prefilled
+unprofiled; then ``steps`` decode steps run under ``torch.profiler``. With compile on, inductor's
+generated CPU kernels appear by name (``torch._inductor.config.cpp.enable_kernel_profile``).
+
+Reported per decode step (:func:`step_parts`): wall time, split by the self time of what ran
+into matmuls, attention, inductor's fused kernels, compiled-graph glue, dynamo's guard checks,
+other aten ops, and the host time outside every profiled op (Python: scheduling, staging,
+bookkeeping); and the ops that cost most. Profiled times run somewhat slower than unprofiled ones.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from inkfw.errors import ConfigError
+
+# (part, does an event of this name belong to it); the first match wins, the rest is "other aten ops"
+PARTS: tuple[tuple[str, Any], ...] = (
+    ("matmuls (aten::mm, addmm, bmm)", lambda n: n in ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul")),
+    ("attention (SDPA)", lambda n: "scaled_dot_product" in n and not n.startswith("graph_")),
+    ("inductor fused kernels", lambda n: "cpp_fused" in n or "triton_" in n),
+    (
+        "compiled-graph glue",
+        lambda n: n.startswith(("## Call CompiledFxGraph", "Torch-Compiled Region", "AOTDispatcher")),
+    ),
+    ("dynamo guards + bytecode", lambda n: n in ("TorchDynamo Cache Lookup", "Pregraph bytecode")),
+)
+OTHER_OPS = "other ops"
+HOST = "host, outside any op (Python)"
+
+
+def part_of(name: str) -> str:
+    for part, matches in PARTS:
+        if matches(name):
+            return part
+    return OTHER_OPS
+
+
+def step_parts(events: Iterable[tuple[str, int, float]], wall_s: float, steps: int) -> dict[str, float]:
+    """Milliseconds per step of each part: ``events`` are (name, calls, self seconds) summed over
+    the profiled ``steps``, ``wall_s`` their wall time; the host part is what no op accounts for."""
+    ms = {part: 0.0 for part, _ in PARTS} | {OTHER_OPS: 0.0}
+    for name, _, self_s in events:
+        ms[part_of(name)] += 1e3 * self_s / steps
+    ms[HOST] = max(0.0, 1e3 * wall_s / steps - sum(ms.values()))
+    return ms
+
+
+def _is_decoding(request) -> bool:
+    return request.num_computed >= len(request.token_ids) - 1
+
+
+def profile_decode_steps(engine, prompts: list[list[int]], steps: int, max_new_tokens: int) -> dict[str, Any]:
+    """Prefill ``prompts`` unprofiled, profile up to ``steps`` decode steps; aborts what is left."""
+    engine.eos_ids = set()  # every request runs to its length
+    requests = [engine.add_request(p, max_new_tokens=max_new_tokens) for p in prompts]
+    while not all(_is_decoding(r) for r in requests):
+        engine.step()
+    done = 0
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        while done < steps and any(not r.finished for r in requests):
+            engine.step()
+            done += 1
+        wall_s = time.perf_counter() - t0
+    for r in requests:
+        engine.abort(r)
+    if done == 0:
+        raise ConfigError("no decode step ran: raise max_new_tokens.")
+    events = [(e.key, e.count, e.self_cpu_time_total / 1e6) for e in prof.key_averages()]
+    return {"steps": done, "wall_s": wall_s, "events": events}
+
+
+def report_step_profile(cfg: Any) -> dict[str, Any]:
+    """``scripts/profile_step.py``: prints the parts of a decode step and its costliest ops;
+    returns (and with ``output`` writes as JSON) ``{"steps", "step_ms", "parts_ms", "top_ops", ...}``."""
+    from omegaconf import open_dict
+
+    from inkfw.bench.prompt_sets import batch_requests, load_prompt_set
+    from inkfw.speculative.factory import build_engine
+
+    for name in ("steps", "batch_size", "max_new_tokens", "top"):
+        if not isinstance(cfg[name], int) or cfg[name] < 1:
+            raise ConfigError(f"{name} must be an integer >= 1, got {cfg[name]!r}.")
+    if cfg.threads is not None:
+        torch.set_num_threads(int(cfg.threads))
+    with open_dict(cfg):
+        cfg.engine.max_num_seqs = cfg.batch_size
+    if bool(cfg.engine.compile):  # name inductor's kernels in the profile (set before anything compiles)
+        import torch._inductor.config as inductor_config
+
+        inductor_config.cpp.enable_kernel_profile = True
+    engine, tokenizer = build_engine(cfg)
+    engine.warmup([cfg.batch_size])
+    prompts = load_prompt_set(
+        cfg.prompt_set, tokenizer, cfg.batch_size, engine.vocab_size, prompt_len=cfg.prompt_len, seed=0
+    )
+    run = profile_decode_steps(engine, batch_requests(prompts, cfg.batch_size), cfg.steps, cfg.max_new_tokens)
+    steps, events = run["steps"], run["events"]
+    parts = step_parts(events, run["wall_s"], steps)
+    top = sorted(events, key=lambda e: -e[2])[: cfg.top]
+    result = {
+        "engine": _engine_summary(cfg),
+        "batch_size": cfg.batch_size,
+        "threads": torch.get_num_threads(),
+        "steps": steps,
+        "step_ms": 1e3 * run["wall_s"] / steps,
+        "parts_ms": parts,
+        "top_ops": [
+            {"name": n, "calls_per_step": c / steps, "us_per_call": 1e6 * s / c, "ms_per_step": 1e3 * s / steps}
+            for n, c, s in top
+        ],
+    }
+    _print(result)
+    if cfg.output:
+        path = Path(str(cfg.output))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def _engine_summary(cfg: Any) -> str:
+    from inkfw.speculative.factory import drafter_kind
+
+    kind = drafter_kind(cfg.drafter)
+    k = cfg.spec.num_tokens if kind != "none" else None
+    return f"{kind}{'' if k is None else f' k={k}'}, {'compiled' if cfg.engine.compile else 'eager'}"
+
+
+def _print(result: dict[str, Any]) -> None:
+    console = Console()
+    title = (
+        f"decode step, {result['engine']}, batch {result['batch_size']}, "
+        f"{result['threads']} thread(s): {result['step_ms']:.2f} ms over {result['steps']} steps (profiled)"
+    )
+    parts = Table(title=title)
+    parts.add_column("part")
+    parts.add_column("ms / step", justify="right")
+    parts.add_column("share", justify="right")
+    for part, ms in result["parts_ms"].items():
+        parts.add_row(part, f"{ms:.2f}", f"{100 * ms / result['step_ms']:.0f} %")
+    console.print(parts)
+    ops = Table(title="costliest ops (self time)")
+    for column in ("op", "calls / step", "µs / call", "ms / step"):
+        ops.add_column(column, justify="left" if column == "op" else "right")
+    for op in result["top_ops"]:
+        name = op["name"] if len(op["name"]) <= 72 else op["name"][:69] + "..."
+        ops.add_row(name, f"{op['calls_per_step']:.1f}", f"{op['us_per_call']:.1f}", f"{op['ms_per_step']:.2f}")
+    console.print(ops)
