@@ -14,10 +14,8 @@ bookkeeping); and the ops that cost most. Profiled times run somewhat slower tha
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -89,11 +87,12 @@ def report_step_profile(cfg: Any) -> dict[str, Any]:
     from omegaconf import open_dict
 
     from inkfw.bench.prompt_sets import batch_requests, load_prompt_set
+    from inkfw.bench.run import _count
+    from inkfw.reporting import write_json_atomic
     from inkfw.speculative.factory import build_engine
 
     for name in ("steps", "batch_size", "max_new_tokens", "top"):
-        if not isinstance(cfg[name], int) or cfg[name] < 1:
-            raise ConfigError(f"{name} must be an integer >= 1, got {cfg[name]!r}.")
+        _count(cfg[name], name)
     if cfg.threads is not None:
         torch.set_num_threads(int(cfg.threads))
     with open_dict(cfg):
@@ -125,9 +124,7 @@ def report_step_profile(cfg: Any) -> dict[str, Any]:
     }
     _print(result)
     if cfg.output:
-        path = Path(str(cfg.output))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2) + "\n")
+        write_json_atomic(str(cfg.output), result, option="output")
     return result
 
 
