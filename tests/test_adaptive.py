@@ -136,7 +136,7 @@ def test_without_costs_the_fallback_model_is_used():
 
 
 def test_probing_happens_exactly_every_probe_every_steps_per_bucket():
-    adaptive = AdaptiveK(max_k=6, probe_every=5)
+    adaptive = AdaptiveK(max_k=6, probe_every=5, probe_budget=0.0, max_backoff=0)
     adaptive.set_costs(2, [1.0 + k for k in range(7)])  # best is 0
     adaptive.set_costs(8, [1.0 + k for k in range(7)])
     picks = [adaptive.choose(2) for _ in range(20)]
@@ -146,6 +146,36 @@ def test_probing_happens_exactly_every_probe_every_steps_per_bucket():
     assert [adaptive.choose(8) for _ in range(5)] == [0, 0, 0, 0, 6]
     assert adaptive.probes == 5
     assert adaptive.chosen == {0: 20, 6: 5}
+
+
+def test_probes_are_spaced_by_their_cost():
+    """A probe at k = 6 costs 3.5 steps at the best k (0) more: with 5 % of the time for probes,
+    one every ceil(3.5 / 0.05) = 70 calls; at a bucket where k = 6 is best probes cost nothing."""
+    adaptive = AdaptiveK(max_k=6, prior_acceptance=0.5, probe_every=5, probe_budget=0.05, max_backoff=0)
+    adaptive.set_costs(1, [1.0] + [4.5] * 6)
+    adaptive.set_costs(4, [1.0] * 7)
+    assert adaptive.best_k(1) == 0 and adaptive.best_k(4) == 6
+    assert adaptive.probe_interval(1, 0) == 70 and adaptive.probe_interval(4, 6) == 5
+    picks = [adaptive.choose(1) for _ in range(210)]
+    assert [i + 1 for i, k in enumerate(picks) if k == 6] == [70, 140, 210]
+    assert [adaptive.choose(4) for _ in range(10)] == [6] * 10  # best anyway; probes at 5 and 10
+    assert adaptive.probes == 5
+
+
+def test_probes_back_off_while_the_best_k_stays():
+    """Each probe after which the best k is unchanged doubles the interval (up to 2**max_backoff);
+    a change of the best k resets it."""
+    adaptive = AdaptiveK(max_k=2, prior_acceptance=0.5, decay=0.5, probe_every=5, probe_budget=0.0, max_backoff=2)
+    adaptive.set_costs(1, [1.0, 1.6, 2.0])
+    assert adaptive.best_k(1) == 0
+    picks = [adaptive.choose(1) for _ in range(60)]
+    assert [i + 1 for i, k in enumerate(picks) if k == 2] == [5, 10, 20, 40, 60]  # 5, 5, 10, 20, 20 apart
+    for _ in range(5):
+        adaptive.observe([2], [2])  # drafts now always accepted: k = 2 is best
+    assert adaptive.best_k(1) == 2
+    assert [adaptive.choose(1) for _ in range(20)] == [2] * 20
+    assert adaptive.probes == 6  # the probe at call 80 saw the change: back to every 5 calls
+    assert adaptive.probe_interval(1, 2) == 5 and adaptive._next_probe[1] == 85
 
 
 def test_probing_can_be_switched_off():
@@ -190,7 +220,17 @@ def test_bad_costs_raise(bucket, step_s):
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"max_k": -1}, {"prior_acceptance": 1.5}, {"prior_weight": 0}, {"decay": 0}, {"probe_every": -1}]
+    "kwargs",
+    [
+        {"max_k": -1},
+        {"prior_acceptance": 1.5},
+        {"prior_weight": 0},
+        {"decay": 0},
+        {"probe_every": -1},
+        {"probe_budget": -0.1},
+        {"probe_budget": 1.0},
+        {"max_backoff": -1},
+    ],
 )
 def test_bad_settings_raise(kwargs):
     with pytest.raises(ConfigError):

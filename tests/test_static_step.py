@@ -389,7 +389,7 @@ def test_auto_k_lag_catches_up_exactly(model):
     engine.warmup([1])
     for bucket in (1, 2):
         adaptive.set_costs(bucket, [1.0, 100.0, 100.0])
-    adaptive.probe_every = 4
+    adaptive.probe_every, adaptive.probe_budget, adaptive.max_backoff = 4, 0.0, 0  # a probe every 4th round
     rounds = []  # per drafting round: (pad_to, [(num_accepted, new_positions) per span])
     drafter = parts(engine)[1]
     propose = drafter.propose
@@ -409,6 +409,59 @@ def test_auto_k_lag_catches_up_exactly(model):
     # over at once with the most re-prefill (num_accepted 0), in a round that is not static
     catch_up = [pad for pad, spans in rounds if any(a == 0 and n >= 3 for a, n in spans)]
     assert catch_up and all(pad is None for pad in catch_up)
+
+
+@pytest.mark.parametrize("probe_due", [True, False])
+def test_auto_k_stops_drafting_for_good(model, monkeypatch, probe_due):
+    """k = 0 best and no probes ever run. With a probe due soon (``probe_due``) a prompt is
+    drafted over (its caches filled, no drafts), its lag fills to LAG_LIMIT, then the request
+    stops drafting for good; with none due it stops at its prefill, never drafted over. Either
+    way it then decodes plainly (nothing proposed, k = 0 counted, its prefix cache ends where its
+    drafter's caches do) and its output equals plain decoding; preemption makes it start over."""
+    monkeypatch.setattr("inkfw.speculative.engine.LAG_LIMIT", 3)
+    prompts, new = prompts_of(61, 2), 12
+    engine, _ = make_engine(model, AUTO, check_drafts=True)
+    adaptive = engine.adaptive
+    assert isinstance(adaptive, AdaptiveK)
+    for bucket in (1, 2):
+        adaptive.set_costs(bucket, [1.0, 100.0, 100.0])
+    adaptive.probe_every = 0
+    assert adaptive.calls_to_probe(1) == float("inf")
+    if probe_due:
+        monkeypatch.setattr(adaptive, "calls_to_probe", lambda bucket: 3)
+    proposed = []  # (request id, num_accepted) of every span drafted over
+    drafter = parts(engine)[1]
+    propose = drafter.propose
+
+    def recording(spans, *args, **kwargs):
+        proposed.extend((s.request.id, s.num_accepted) for s in spans)
+        return propose(spans, *args, **kwargs)
+
+    drafter.propose = recording  # type: ignore[method-assign]
+    reqs = [engine.add_request(p, max_new_tokens=new) for p in prompts]
+    engine.step()  # prefill
+    assert all(r.drafting_off for r in reqs) != probe_due
+    while not all(r.drafting_off for r in reqs):
+        engine.step()
+    assert not any(r.finished for r in reqs) and all(r.lag == [] for r in reqs)
+    drafted_to = [len(p) - 1 if probe_due else 0 for p in prompts]  # where each drafter's caches end
+    assert [r.lag_start for r in reqs] == drafted_to
+    assert all(drafter.next_start(r.id) is None for r in reqs)  # the drafter forgot them
+    assert proposed == ([(r.id, None) for r in reqs] if probe_due else [])  # prompts only, K = 0
+    steps, plain_steps = engine.times.num_steps, engine.k_chosen[0]
+    engine.step()
+    assert engine.k_chosen[0] == plain_steps + 1  # a step where nothing drafts counts as k = 0
+    assert [r.lag_start for r in reqs] == drafted_to  # the prefix cache's limit stays
+
+    engine._preempt(reqs[0])
+    assert not reqs[0].drafting_off and reqs[0].lag_start is None
+    while not all(r.finished for r in reqs):
+        engine.step()
+    assert reqs[0].num_preemptions == 1 and engine.times.num_steps > steps + 1
+    assert proposed[2:] == ([(reqs[0].id, None)] if probe_due else [])  # its re-prefill started over
+    plain, _, _ = generate(model, NO_DRAFTER, prompts, new, check_drafts=False)
+    assert outputs(reqs) == outputs(plain)
+    assert engine.metrics.num_draft_tokens == 0
 
 
 # --------------------------------------------------------------------------- 6. warm-up

@@ -16,9 +16,15 @@ pick the k in 0..max_k that maximises expected tokens per second.
   wider verify each cost a fixed fraction of a plain step).
 * **Choice.** ``argmax_k bucket * E(k) / step_s[k]``; ties go to the smaller k.
 * **Probing.** Positions beyond the chosen k are never observed, so their estimates go stale.
-  Every ``probe_every``-th :meth:`AdaptiveK.choose` call of a bucket (steps probe_every,
-  2 probe_every, ...) returns max_k instead, so every position keeps being measured. Deterministic;
-  ``probe_every=0`` switches it off.
+  Some :meth:`AdaptiveK.choose` calls of a bucket return max_k instead (a probe), so every
+  position keeps being measured. Probes cost time, so they are spaced: with ``b`` the best k at
+  a bucket's first call and at each probe, the next probe comes
+  ``max(probe_every, ceil((step_s[max_k] / step_s[b] - 1) / probe_budget)) * 2**backoff`` calls
+  later: a probe's extra time, in steps at ``b``, over the share of decode time probes may take.
+  ``backoff`` counts the probes in a row at which the best k was what it had been at the probe
+  before (capped at ``max_backoff``; back to 0 when it changed): while nothing changes, probes
+  grow rarer. Deterministic; ``probe_every=0`` switches probing off, ``probe_budget=0``
+  and ``max_backoff=0`` give a probe exactly every ``probe_every`` calls.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ class AdaptiveK:
         decay: float = 0.99,
         probe_every: int = 32,
         fallback_draft_cost: float = 0.1,
+        probe_budget: float = 0.02,
+        max_backoff: int = 4,
     ) -> None:
         if max_k < 0:
             raise ConfigError(f"max_k must be >= 0, got {max_k}.")
@@ -53,6 +61,8 @@ class AdaptiveK:
             raise ConfigError(f"decay must be in (0, 1], got {decay}.")
         if probe_every < 0:
             raise ConfigError(f"probe_every must be >= 0 (0: never probe), got {probe_every}.")
+        if not 0.0 <= probe_budget < 1.0 or max_backoff < 0:
+            raise ConfigError(f"need 0 <= probe_budget < 1 and max_backoff >= 0, got {probe_budget} and {max_backoff}.")
         if not fallback_draft_cost >= 0:
             raise ConfigError(f"fallback_draft_cost must be >= 0, got {fallback_draft_cost}.")
         self.max_k = max_k
@@ -61,10 +71,15 @@ class AdaptiveK:
         self.decay = decay
         self.probe_every = probe_every
         self.fallback_draft_cost = fallback_draft_cost
+        self.probe_budget = probe_budget
+        self.max_backoff = max_backoff
         self.seen = [0.0] * max_k  # [i]: decayed count of steps that reached draft position i+1
         self.accepted = [0.0] * max_k  # [i]: decayed count of those that accepted it
         self.costs: dict[int, list[float]] = {}  # bucket -> step_s[0..max_k]
         self.steps: Counter[int] = Counter()  # bucket -> choose() calls
+        self._next_probe: dict[int, int] = {}  # bucket -> the choose() call that probes next
+        self._probe_best: dict[int, int] = {}  # bucket -> best k at its previous probe
+        self._backoff: Counter[int] = Counter()  # bucket -> doublings of its probe interval
         self.chosen: Counter[int] = Counter()  # k -> times chosen (probes included)
         self.probes = 0
 
@@ -126,13 +141,34 @@ class AdaptiveK:
     def choose(self, bucket: int) -> int:
         """k for this engine step at ``bucket``: :meth:`best_k`, or max_k on a probe step."""
         self.steps[bucket] += 1
-        if self.probe_every and self.steps[bucket] % self.probe_every == 0:
+        best = self.best_k(bucket)
+        k = best
+        if bucket not in self._next_probe:
+            self._next_probe[bucket] = self.probe_interval(bucket, best)  # the first probe's call
+        if self.probe_every and self.steps[bucket] >= self._next_probe[bucket]:
             self.probes += 1
             k = self.max_k
-        else:
-            k = self.best_k(bucket)
+            unchanged = self._probe_best.get(bucket) == best
+            self._backoff[bucket] = min(self.max_backoff, self._backoff[bucket] + 1) if unchanged else 0
+            self._probe_best[bucket] = best
+            self._next_probe[bucket] = self.steps[bucket] + self.probe_interval(bucket, best)
         self.chosen[k] += 1
         return k
+
+    def calls_to_probe(self, bucket: int) -> float:
+        """:meth:`choose` calls at ``bucket`` until its next probe (inf with probing off)."""
+        if not self.probe_every:
+            return math.inf
+        if bucket not in self._next_probe:  # no call yet: the first probe's call
+            return self.probe_interval(bucket, self.best_k(bucket)) - self.steps[bucket]
+        return self._next_probe[bucket] - self.steps[bucket]
+
+    def probe_interval(self, bucket: int, best: int) -> int:
+        """choose() calls from a probe at best k ``best`` to the next probe (module doc)."""
+        step_s = self.step_costs(bucket)
+        extra = step_s[self.max_k] / step_s[best] - 1  # a probe's extra time, in steps at the best k
+        paid = math.ceil(extra / self.probe_budget) if self.probe_budget > 0 and extra > 0 else 0
+        return max(self.probe_every, paid) << self._backoff[bucket]
 
     def predicted_speedup(self, bucket: int, k: int) -> float:
         """Predicted tokens/s at k over plain decoding: ``(E(k) / step_s[k]) / (1 / step_s[0])``."""
@@ -148,6 +184,7 @@ class AdaptiveK:
             "chosen": {str(k): n for k, n in sorted(self.chosen.items())},
             "probes": self.probes,
             "probe_every": self.probe_every,
+            "probe_budget": self.probe_budget,
             "costs": {str(b): list(c) for b, c in sorted(self.costs.items())},
             "best_k": {str(b): self.best_k(b) for b in sorted(self.costs)},
         }

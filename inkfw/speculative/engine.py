@@ -50,7 +50,7 @@ from inkfw.speculative.reference import reference_draft_logits
 from inkfw.speculative.sampling import Sampler, SamplingParams
 from inkfw.speculative.step import DEFAULT_BUCKETS, bucket_for
 
-LAG_LIMIT = 32  # positions a request's drafter may fall behind while adaptive k chooses 0
+LAG_LIMIT = 32  # positions a request's drafter may fall behind while adaptive k chooses 0 (then it stops)
 
 
 class DraftCheckError(RuntimeError):
@@ -118,6 +118,7 @@ class Request:
     pending_width: int = 0  # k of the round that drafted them (the verify width)
     lag: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # (hidden rows, count) not drafted over
     lag_start: int | None = None  # first position of the lag (adaptive k chose 0 for those steps)
+    drafting_off: bool = False  # adaptive k stopped its drafting (docs/design.md §6): plain from lag_start on
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -341,7 +342,8 @@ class Engine:
             for (r, c0, c1), hidden in zip(prefills, self._prefill(prefills)):
                 r.num_computed = c1
                 final = c1 == len(r.token_ids) - 1
-                spans.append(DraftSpan(r, c0, hidden, None, self._num_drafts(r) if final else 0, slot=r.slot or 0))
+                if not r.drafting_off:
+                    spans.append(DraftSpan(r, c0, hidden, None, self._num_drafts(r) if final else 0, slot=r.slot or 0))
         if decodes:
             drafts = self._batch_drafts(decodes)
             bucket = bucket_for(len(decodes), self.config.batch_buckets)
@@ -365,13 +367,16 @@ class Engine:
                     finished.append(r)
                     continue
                 r.num_computed = L + a
-                spans.append(DraftSpan(r, L - 1, verdict.hidden[b], a, self._num_drafts(r), r.slot or 0, a + 1))
+                if not r.drafting_off:
+                    spans.append(DraftSpan(r, L - 1, verdict.hidden[b], a, self._num_drafts(r), r.slot or 0, a + 1))
         t1 = time.perf_counter()
 
         # draft
         spans = [s for s in spans if self.drafter.needs_hidden or s.num_drafts > 0]
         if spans:
             self._draft(spans)
+        elif self.adaptive is not None and any(r.drafting_off and not r.finished for r in decodes):
+            self.k_chosen[0] += 1  # every request still decoding has stopped drafting
         t2 = time.perf_counter()
 
         # bookkeeping: prefix cache, sliding windows, finished requests
@@ -381,7 +386,8 @@ class Engine:
                 continue
             done = r.num_computed if r.lag_start is None else r.lag_start  # the drafter's caches end here
             self.kv.finalize(r.id, r.token_ids, min(done, len(r.token_ids) - lookahead))
-            self.kv.trim(r.id, max(0, done - max(0, lookahead - 1)))
+            read_from = r.num_computed if r.drafting_off else done  # what the next forwards read
+            self.kv.trim(r.id, max(0, read_from - max(0, lookahead - 1)))
         for r in finished:
             self._release(r)
         t3 = time.perf_counter()
@@ -403,23 +409,30 @@ class Engine:
         return self.adaptive.choose(bucket_for(num_rows, self.config.batch_buckets))
 
     def _draft(self, spans: list[DraftSpan]) -> None:
-        """Propose the next drafts of ``spans`` into their requests' slots. With adaptive k at 0,
-        decode spans wait (the lag) and are drafted over with the next round that drafts."""
+        """Propose the next drafts of ``spans`` into their requests' slots. With adaptive k at 0
+        (docs/design.md §6), decode spans wait (the lag) and are drafted over with the next round
+        that drafts; a request whose lag would outgrow :data:`LAG_LIMIT`, or whose prefill chunk
+        comes with no probe due before its lag could fill, stops drafting for good."""
         k = self._round_k(len(spans))
         if k == 0 and self.drafter.needs_hidden:
-            waiting = [s for s in spans if s.num_accepted is not None and _lag_len(s.request) < LAG_LIMIT]
-            for s in waiting:
+            bucket = bucket_for(len(spans), self.config.batch_buckets)
+            probe_soon = self.adaptive is not None and self.adaptive.calls_to_probe(bucket) <= LAG_LIMIT
+            for s in spans:
                 r = cast(Request, s.request)
-                if r.lag_start is None:
-                    r.lag_start = s.start
-                assert s.hidden is not None
-                r.lag.append((s.hidden[: s.new_positions].clone(), s.new_positions))  # graph outputs get reused
-            spans = [s for s in spans if all(s is not w for w in waiting)]
-            self.k_chosen[0] += 1
-            k = 1 if spans else 0
+                if s.num_accepted is None:  # a prefill chunk: drafted over (no drafts) only if probed soon
+                    if not probe_soon:
+                        self._stop_drafting(r, s.start)
+                elif _lag_len(r) + s.new_positions > LAG_LIMIT:
+                    self._stop_drafting(r, s.start)
+                else:
+                    if r.lag_start is None:
+                        r.lag_start = s.start
+                    assert s.hidden is not None
+                    r.lag.append((s.hidden[: s.new_positions].clone(), s.new_positions))  # graph outputs get reused
+            spans = [s for s in spans if s.num_accepted is None and not cast(Request, s.request).drafting_off]
+        self.k_chosen[k] += 1
         if not spans:
             return
-        self.k_chosen[k] += 1
         static = all(s.num_accepted is not None and cast(Request, s.request).lag_start is None for s in spans)
         spans = [_with_lag(s) for s in spans]
         bucket = bucket_for(len(spans), self.config.batch_buckets) if static else None  # decode rounds: static
@@ -447,6 +460,8 @@ class Engine:
     # ---------------------------------------------------------------- schedule
     def _num_drafts(self, r: Request) -> int:
         """Drafts worth proposing for ``r``'s next verify step."""
+        if r.drafting_off:
+            return 0
         left = r.max_new_tokens - len(r.output_token_ids) - 1
         room = self.max_model_len - len(r.token_ids)
         return max(0, min(self.drafter.num_tokens, left, room))
@@ -621,13 +636,21 @@ class Engine:
         self.drafter.release(r.id)
         self._free_slot(r)
 
+    def _stop_drafting(self, r: Request, start: int) -> None:
+        """``r`` decodes plainly from now on; its drafter's caches end at ``r.lag_start`` (its lag's
+        start, else ``start``: the span it was not drafted over)."""
+        if r.lag_start is None:
+            r.lag_start = start
+        r.lag, r.drafting_off = [], True
+        self.drafter.release(r.id)
+
     def _free_slot(self, r: Request) -> None:
         """Give back ``r``'s slot and forget its pending drafts and lag."""
         if r.slot is not None:
             self._free_slots.append(r.slot)
             r.slot = None
         r.num_pending = r.pending_width = 0
-        r.lag, r.lag_start = [], None
+        r.lag, r.lag_start, r.drafting_off = [], None, False
 
     # ------------------------------------------------------------------ checks
     def _check_drafts(self, spans: Sequence[DraftSpan], proposed: Drafts) -> None:
