@@ -148,6 +148,19 @@ def test_probing_happens_exactly_every_probe_every_steps_per_bucket():
     assert adaptive.chosen == {0: 20, 6: 5}
 
 
+def test_an_unmeasured_bucket_borrows_the_nearest_measured_costs():
+    """The smallest larger measured bucket, else the largest: never the optimistic fallback model
+    once anything was measured (a batch's tail runs at buckets warm-up did not time)."""
+    adaptive = AdaptiveK(max_k=2, prior_acceptance=0.9, probe_every=0)
+    fallback = [1.0, 1.1, 1.2]
+    assert adaptive.step_costs(4) == fallback and adaptive.best_k(4) == 2
+    adaptive.set_costs(16, [1.0, 5.0, 6.0])
+    adaptive.set_costs(2, [1.0, 1.5, 1.8])
+    assert adaptive.step_costs(4) == adaptive.step_costs(8) == [1.0, 5.0, 6.0]
+    assert adaptive.step_costs(1) == [1.0, 1.5, 1.8] and adaptive.step_costs(32) == [1.0, 5.0, 6.0]
+    assert adaptive.best_k(4) == 0 and adaptive.best_k(1) == 2
+
+
 def test_probes_are_spaced_by_their_cost():
     """A probe at k = 6 costs 3.5 steps at the best k (0) more: with 5 % of the time for probes,
     one every ceil(3.5 / 0.05) = 70 calls; at a bucket where k = 6 is best probes cost nothing."""
@@ -176,6 +189,19 @@ def test_probes_back_off_while_the_best_k_stays():
     assert [adaptive.choose(1) for _ in range(20)] == [2] * 20
     assert adaptive.probes == 6  # the probe at call 80 saw the change: back to every 5 calls
     assert adaptive.probe_interval(1, 2) == 5 and adaptive._next_probe[1] == 85
+
+
+def test_plain_steps_bring_probes_due():
+    """Steps in which no request drafted (plain_step) count towards the next probe: a probe is
+    due by decode steps, and runs at the next choose() call."""
+    adaptive = AdaptiveK(max_k=3, probe_every=5, probe_budget=0.0, max_backoff=0)
+    adaptive.set_costs(1, [1.0, 10.0, 10.0, 10.0])
+    assert adaptive.choose(1) == 0 and adaptive.steps_to_probe(1) == 4
+    for _ in range(6):
+        adaptive.plain_step(1)
+    assert adaptive.steps_to_probe(1) == -2 and adaptive.probes == 0  # overdue: nothing chose yet
+    assert adaptive.choose(1) == 3 and adaptive.probes == 1
+    assert adaptive.steps_to_probe(1) == 5 and adaptive.chosen == {0: 1, 3: 1}
 
 
 def test_probing_can_be_switched_off():

@@ -364,9 +364,9 @@ def test_auto_k_equals_plain_and_measures_costs(model):
     rounds = []
     draft = engine._draft
 
-    def counted(spans):
+    def counted(spans, num_rows=None):
         rounds.append(len(spans))
-        return draft(spans)
+        return draft(spans, num_rows)
 
     engine._draft = counted  # type: ignore[method-assign]
     reqs = [engine.add_request(p, max_new_tokens=new) for p in prompts]
@@ -426,9 +426,9 @@ def test_auto_k_stops_drafting_for_good(model, monkeypatch, probe_due):
     for bucket in (1, 2):
         adaptive.set_costs(bucket, [1.0, 100.0, 100.0])
     adaptive.probe_every = 0
-    assert adaptive.calls_to_probe(1) == float("inf")
+    assert adaptive.steps_to_probe(1) == float("inf")
     if probe_due:
-        monkeypatch.setattr(adaptive, "calls_to_probe", lambda bucket: 3)
+        monkeypatch.setattr(adaptive, "steps_to_probe", lambda bucket: 3)
     proposed = []  # (request id, num_accepted) of every span drafted over
     drafter = parts(engine)[1]
     propose = drafter.propose

@@ -12,19 +12,21 @@ pick the k in 0..max_k that maximises expected tokens per second.
   (``E(0) = 1``: the bonus token).
 * **Cost.** ``step_s[k]``: seconds of one whole decode step (verify + drafting) at a batch bucket
   with k drafts, measured at warm-up (:meth:`AdaptiveK.set_costs`). A bucket without measured costs
-  uses the model ``step_s[k] = 1 + fallback_draft_cost * k`` (relative units; drafting and the
+  borrows those of the nearest measured bucket; with none measured, it uses the model ``step_s[k] = 1 + fallback_draft_cost * k`` (relative units; drafting and the
   wider verify each cost a fixed fraction of a plain step).
 * **Choice.** ``argmax_k bucket * E(k) / step_s[k]``; ties go to the smaller k.
 * **Probing.** Positions beyond the chosen k are never observed, so their estimates go stale.
-  Some :meth:`AdaptiveK.choose` calls of a bucket return max_k instead (a probe), so every
+  Some steps of a bucket (:meth:`AdaptiveK.choose` calls, and :meth:`AdaptiveK.plain_step`
+  calls for steps in which no request drafted) choose max_k instead (a probe), so every
   position keeps being measured. Probes cost time, so they are spaced: with ``b`` the best k at
   a bucket's first call and at each probe, the next probe comes
-  ``max(probe_every, ceil((step_s[max_k] / step_s[b] - 1) / probe_budget)) * 2**backoff`` calls
+  ``max(probe_every, ceil((step_s[max_k] / step_s[b] - 1) / probe_budget)) * 2**backoff`` steps
   later: a probe's extra time, in steps at ``b``, over the share of decode time probes may take.
   ``backoff`` counts the probes in a row at which the best k was what it had been at the probe
   before (capped at ``max_backoff``; back to 0 when it changed): while nothing changes, probes
   grow rarer. Deterministic; ``probe_every=0`` switches probing off, ``probe_budget=0``
-  and ``max_backoff=0`` give a probe exactly every ``probe_every`` calls.
+  and ``max_backoff=0`` give a probe exactly every ``probe_every`` steps. A probe falls due at
+  a step; it runs at the next choose() call.
 """
 
 from __future__ import annotations
@@ -76,8 +78,8 @@ class AdaptiveK:
         self.seen = [0.0] * max_k  # [i]: decayed count of steps that reached draft position i+1
         self.accepted = [0.0] * max_k  # [i]: decayed count of those that accepted it
         self.costs: dict[int, list[float]] = {}  # bucket -> step_s[0..max_k]
-        self.steps: Counter[int] = Counter()  # bucket -> choose() calls
-        self._next_probe: dict[int, int] = {}  # bucket -> the choose() call that probes next
+        self.steps: Counter[int] = Counter()  # bucket -> steps (choose() and plain_step() calls)
+        self._next_probe: dict[int, int] = {}  # bucket -> the step from which the next choose() probes
         self._probe_best: dict[int, int] = {}  # bucket -> best k at its previous probe
         self._backoff: Counter[int] = Counter()  # bucket -> doublings of its probe interval
         self.chosen: Counter[int] = Counter()  # k -> times chosen (probes included)
@@ -127,9 +129,14 @@ class AdaptiveK:
         return bucket in self.costs
 
     def step_costs(self, bucket: int) -> list[float]:
-        """Measured ``step_s[0..max_k]`` of ``bucket``, or the fallback model's relative costs."""
+        """Measured ``step_s[0..max_k]`` of ``bucket``; else those of the nearest measured bucket
+        (the smallest larger one, else the largest), whose ratios between k are what the choice
+        uses; else the fallback model's relative costs."""
         if bucket in self.costs:
             return self.costs[bucket]
+        if self.costs:
+            larger = [b for b in self.costs if b > bucket]
+            return self.costs[min(larger) if larger else max(self.costs)]
         return [1.0 + self.fallback_draft_cost * k for k in range(self.max_k + 1)]
 
     def best_k(self, bucket: int) -> int:
@@ -155,8 +162,13 @@ class AdaptiveK:
         self.chosen[k] += 1
         return k
 
-    def calls_to_probe(self, bucket: int) -> float:
-        """:meth:`choose` calls at ``bucket`` until its next probe (inf with probing off)."""
+    def plain_step(self, bucket: int) -> None:
+        """Count a decode step at ``bucket`` that decoded plainly without a :meth:`choose` call (no
+        request drafting), so probes stay due by decode steps, not by drafting rounds."""
+        self.steps[bucket] += 1
+
+    def steps_to_probe(self, bucket: int) -> float:
+        """Steps at ``bucket`` until its next probe falls due (inf with probing off)."""
         if not self.probe_every:
             return math.inf
         if bucket not in self._next_probe:  # no call yet: the first probe's call
@@ -164,7 +176,7 @@ class AdaptiveK:
         return self._next_probe[bucket] - self.steps[bucket]
 
     def probe_interval(self, bucket: int, best: int) -> int:
-        """choose() calls from a probe at best k ``best`` to the next probe (module doc)."""
+        """Steps from a probe at best k ``best`` to the next probe (module doc)."""
         step_s = self.step_costs(bucket)
         extra = step_s[self.max_k] / step_s[best] - 1  # a probe's extra time, in steps at the best k
         paid = math.ceil(extra / self.probe_budget) if self.probe_budget > 0 and extra > 0 else 0

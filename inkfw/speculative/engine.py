@@ -283,8 +283,8 @@ class Engine:
     def warmup(self, batch_sizes: Sequence[int] | None = None, timed_steps: int = 3) -> float:
         """Compile (``engine.compile``) or capture (``engine.cuda_graphs``) the step functions for
         the batch buckets of ``batch_sizes`` (default: 1), and with adaptive k measure the cost
-        of one decode step at every k = 0 .. k_max per bucket (the median of ``timed_steps``
-        steps after two untimed ones). Runs throwaway requests of random tokens and leaves the
+        of one decode step at every k = 0 .. k_max per bucket (the fastest of ``timed_steps``
+        steps after two untimed ones, in each of two passes over k). Runs throwaway requests of random tokens and leaves the
         engine as it was: no requests, metrics and timings untouched. Returns the seconds
         spent, also added to :attr:`warmup_s`, which tokens/s figures leave out."""
         if self.has_unfinished():
@@ -297,23 +297,25 @@ class Engine:
         try:
             k_max = self.drafter.num_tokens
             ks = range(k_max + 1) if self.adaptive is not None else [k_max]
+            passes = 2 if self.adaptive is not None else 1  # the first compiles; costs: the fastest step of both
             for bucket in sorted({bucket_for(b, self.config.batch_buckets) for b in (batch_sizes or [1])}):
                 rows = min(bucket, self.config.max_num_seqs)
-                costs = []
-                for k in ks:
-                    self._forced_k = k
-                    prompts = torch.randint(3, self.vocab_size, (rows, 8), generator=gen).tolist()
-                    length = min((2 + timed_steps) * (k + 1) + 2, self.max_model_len - 9)
-                    requests = [self.add_request(p, max_new_tokens=length) for p in prompts]
-                    seconds = []
-                    while any(not r.finished for r in requests) and len(seconds) < 3 + timed_steps:
-                        t = time.perf_counter()
-                        self.step()
-                        seconds.append(time.perf_counter() - t)  # [prefill, compile, compile, timed ...]
-                    for r in requests:
-                        self.abort(r)
-                    timed = sorted(seconds[3:]) or sorted(seconds)
-                    costs.append(timed[len(timed) // 2])
+                timed: dict[int, list[float]] = collections.defaultdict(list)
+                for _ in range(passes):
+                    for k in ks:
+                        self._forced_k = k
+                        prompts = torch.randint(3, self.vocab_size, (rows, 8), generator=gen).tolist()
+                        length = min((2 + timed_steps) * (k + 1) + 2, self.max_model_len - 9)
+                        requests = [self.add_request(p, max_new_tokens=length) for p in prompts]
+                        seconds = []
+                        while any(not r.finished for r in requests) and len(seconds) < 3 + timed_steps:
+                            t = time.perf_counter()
+                            self.step()
+                            seconds.append(time.perf_counter() - t)  # [prefill, compile, compile, timed ...]
+                        for r in requests:
+                            self.abort(r)
+                        timed[k] += seconds[3:] or seconds
+                costs = [min(timed[k]) for k in ks]  # load on a shared machine only ever adds time
                 if self.adaptive is not None:
                     self.adaptive.set_costs(bucket, costs)
         finally:
@@ -374,9 +376,11 @@ class Engine:
         # draft
         spans = [s for s in spans if self.drafter.needs_hidden or s.num_drafts > 0]
         if spans:
-            self._draft(spans)
+            self._draft(spans, max(len(spans), len(decodes)))
         elif self.adaptive is not None and any(r.drafting_off and not r.finished for r in decodes):
             self.k_chosen[0] += 1  # every request still decoding has stopped drafting
+            if self._forced_k is None:
+                self.adaptive.plain_step(bucket_for(len(decodes), self.config.batch_buckets))
         t2 = time.perf_counter()
 
         # bookkeeping: prefix cache, sliding windows, finished requests
@@ -400,23 +404,24 @@ class Engine:
             obs.on_step_end(self, finished)
         return finished
 
-    def _round_k(self, num_rows: int) -> int:
+    def _round_k(self, bucket: int) -> int:
         """k of this drafting round: the drafter's, or adaptive k's choice for the batch bucket."""
         if self._forced_k is not None:
             return self._forced_k
         if self.adaptive is None:
             return self.drafter.num_tokens
-        return self.adaptive.choose(bucket_for(num_rows, self.config.batch_buckets))
+        return self.adaptive.choose(bucket)
 
-    def _draft(self, spans: list[DraftSpan]) -> None:
+    def _draft(self, spans: list[DraftSpan], num_rows: int | None = None) -> None:
         """Propose the next drafts of ``spans`` into their requests' slots. With adaptive k at 0
         (docs/design.md §6), decode spans wait (the lag) and are drafted over with the next round
         that drafts; a request whose lag would outgrow :data:`LAG_LIMIT`, or whose prefill chunk
-        comes with no probe due before its lag could fill, stops drafting for good."""
-        k = self._round_k(len(spans))
+        comes with no probe due before its lag could fill, stops drafting for good. ``num_rows``:
+        the step's batch (its verify rows), whose bucket adaptive k chooses for (default: the spans)."""
+        bucket = bucket_for(num_rows or len(spans), self.config.batch_buckets)
+        k = self._round_k(bucket)
         if k == 0 and self.drafter.needs_hidden:
-            bucket = bucket_for(len(spans), self.config.batch_buckets)
-            probe_soon = self.adaptive is not None and self.adaptive.calls_to_probe(bucket) <= LAG_LIMIT
+            probe_soon = self.adaptive is not None and self.adaptive.steps_to_probe(bucket) <= LAG_LIMIT
             for s in spans:
                 r = cast(Request, s.request)
                 if s.num_accepted is None:  # a prefill chunk: drafted over (no drafts) only if probed soon
