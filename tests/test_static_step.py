@@ -420,7 +420,7 @@ def test_auto_k_stops_drafting_for_good(model, monkeypatch, probe_due):
     drafter's caches do) and its output equals plain decoding; preemption makes it start over."""
     monkeypatch.setattr("inkfw.speculative.engine.LAG_LIMIT", 3)
     prompts, new = prompts_of(61, 2), 12
-    engine, _ = make_engine(model, AUTO, check_drafts=True)
+    engine, kv = make_engine(model, AUTO, check_drafts=True)
     adaptive = engine.adaptive
     assert isinstance(adaptive, AdaptiveK)
     for bucket in (1, 2):
@@ -449,8 +449,15 @@ def test_auto_k_stops_drafting_for_good(model, monkeypatch, probe_due):
     assert all(drafter.next_start(r.id) is None for r in reqs)  # the drafter forgot them
     assert proposed == ([(r.id, None) for r in reqs] if probe_due else [])  # prompts only, K = 0
     steps, plain_steps = engine.times.num_steps, engine.k_chosen[0]
-    engine.step()
-    assert engine.k_chosen[0] == plain_steps + 1  # a step where nothing drafts counts as k = 0
+
+    def draft_blocks():
+        return [len(t) for r in reqs for g, t in zip(kv.groups, kv._tables[r.id]) if g.draft]
+
+    held = draft_blocks()
+    for _ in range(4):
+        engine.step()
+    assert engine.k_chosen[0] == plain_steps + 4  # a step where nothing drafts counts as k = 0
+    assert draft_blocks() == held  # no new blocks for the draft groups
     assert [r.lag_start for r in reqs] == drafted_to  # the prefix cache's limit stays
 
     engine._preempt(reqs[0])

@@ -478,7 +478,7 @@ class Engine:
         L = len(r.token_ids)
         if chunk_end is None:  # verify
             n = r.num_pending
-            return L + n, L + n + extra
+            return L + n, 0 if r.drafting_off else L + n + extra  # stopped drafting: no new draft blocks
         return chunk_end, chunk_end + (extra if chunk_end == L - 1 else 0)
 
     def _chunk_end(self, r: Request, budget: int) -> int | None:
