@@ -131,6 +131,8 @@ class MtpDrafter(StepModes):
         # static batches use one span width, k + 1 >= any span after a verify step (docs/design.md §2)
         T = max(lengths) if pad_to is None else max(*lengths, self.num_tokens + 1)
         Th = max(len(s.hidden) for s in spans if s.hidden is not None)
+        if pad_to is not None:  # one shape per (bucket, K) whatever k the verify before ran at (adaptive k)
+            Th = max(Th, self.num_tokens + 1)
         E = T + max(K, P)  # ext width: depth s reads ext[:, s : s + T], drafts land up to T + K
         ext = []
         for span, start in zip(spans, starts):
