@@ -284,9 +284,9 @@ class Engine:
         """Compile (``engine.compile``) or capture (``engine.cuda_graphs``) the step functions for
         the batch buckets of ``batch_sizes`` (default: 1), and with adaptive k measure the cost
         of one decode step at every k = 0 .. k_max per bucket (the fastest of ``timed_steps``
-        steps after two untimed ones, in each of two passes over k). Runs throwaway requests of random tokens and leaves the
-        engine as it was: no requests, metrics and timings untouched. Returns the seconds
-        spent, also added to :attr:`warmup_s`, which tokens/s figures leave out."""
+        steps after two untimed ones, in each of two passes over k). Runs throwaway requests of
+        random tokens and leaves the engine as it was: no requests, metrics and timings untouched.
+        Returns the seconds spent, also added to :attr:`warmup_s`, which tokens/s figures leave out."""
         if self.has_unfinished():
             raise RuntimeError("Engine.warmup needs an idle engine (no waiting or running requests).")
         t0 = time.perf_counter()
@@ -344,8 +344,7 @@ class Engine:
             for (r, c0, c1), hidden in zip(prefills, self._prefill(prefills)):
                 r.num_computed = c1
                 final = c1 == len(r.token_ids) - 1
-                if not r.drafting_off:
-                    spans.append(DraftSpan(r, c0, hidden, None, self._num_drafts(r) if final else 0, slot=r.slot or 0))
+                spans.append(DraftSpan(r, c0, hidden, None, self._num_drafts(r) if final else 0, slot=r.slot or 0))
         if decodes:
             drafts = self._batch_drafts(decodes)
             bucket = bucket_for(len(decodes), self.config.batch_buckets)
@@ -369,12 +368,15 @@ class Engine:
                     finished.append(r)
                     continue
                 r.num_computed = L + a
-                if not r.drafting_off:
-                    spans.append(DraftSpan(r, L - 1, verdict.hidden[b], a, self._num_drafts(r), r.slot or 0, a + 1))
+                spans.append(DraftSpan(r, L - 1, verdict.hidden[b], a, self._num_drafts(r), r.slot or 0, a + 1))
         t1 = time.perf_counter()
 
-        # draft
-        spans = [s for s in spans if self.drafter.needs_hidden or s.num_drafts > 0]
+        # draft (not for requests that stopped drafting)
+        spans = [
+            s
+            for s in spans
+            if not cast(Request, s.request).drafting_off and (self.drafter.needs_hidden or s.num_drafts > 0)
+        ]
         if spans:
             self._draft(spans, max(len(spans), len(decodes)))
         elif self.adaptive is not None and any(r.drafting_off and not r.finished for r in decodes):
@@ -412,13 +414,13 @@ class Engine:
             return self.drafter.num_tokens
         return self.adaptive.choose(bucket)
 
-    def _draft(self, spans: list[DraftSpan], num_rows: int | None = None) -> None:
+    def _draft(self, spans: list[DraftSpan], num_rows: int) -> None:
         """Propose the next drafts of ``spans`` into their requests' slots. With adaptive k at 0
         (docs/design.md §6), decode spans wait (the lag) and are drafted over with the next round
         that drafts; a request whose lag would outgrow :data:`LAG_LIMIT`, or whose prefill chunk
         comes with no probe due before its lag could fill, stops drafting for good. ``num_rows``:
-        the step's batch (its verify rows), whose bucket adaptive k chooses for (default: the spans)."""
-        bucket = bucket_for(num_rows or len(spans), self.config.batch_buckets)
+        the step's batch (its verify rows), whose bucket adaptive k chooses for."""
+        bucket = bucket_for(num_rows, self.config.batch_buckets)
         k = self._round_k(bucket)
         if k == 0 and self.drafter.needs_hidden:
             probe_soon = self.adaptive is not None and self.adaptive.steps_to_probe(bucket) <= LAG_LIMIT
@@ -465,8 +467,6 @@ class Engine:
     # ---------------------------------------------------------------- schedule
     def _num_drafts(self, r: Request) -> int:
         """Drafts worth proposing for ``r``'s next verify step."""
-        if r.drafting_off:
-            return 0
         left = r.max_new_tokens - len(r.output_token_ids) - 1
         room = self.max_model_len - len(r.token_ids)
         return max(0, min(self.drafter.num_tokens, left, room))
