@@ -162,17 +162,19 @@ def test_an_unmeasured_bucket_borrows_the_nearest_measured_costs():
 
 
 def test_probes_are_spaced_by_their_cost():
-    """A probe at k = 6 costs 3.5 steps at the best k (0) more: with 5 % of the time for probes,
-    one every ceil(3.5 / 0.05) = 70 calls; at a bucket where k = 6 is best probes cost nothing."""
+    """A probe at k = 6 takes 4.5 steps at the best k (0) and is expected to emit E(6) = 1.98
+    tokens, which plain steps emit in 1.98 steps: it costs 2.52 steps more, so with 5 % of the time
+    for probes, one every ceil(2.52 / 0.05) = 51 calls; where k = 6 is best probes cost nothing."""
     adaptive = AdaptiveK(max_k=6, prior_acceptance=0.5, probe_every=5, probe_budget=0.05, max_backoff=0)
     adaptive.set_costs(1, [1.0] + [4.5] * 6)
     adaptive.set_costs(4, [1.0] * 7)
     assert adaptive.best_k(1) == 0 and adaptive.best_k(4) == 6
-    assert adaptive.probe_interval(1, 0) == 70 and adaptive.probe_interval(4, 6) == 5
-    picks = [adaptive.choose(1) for _ in range(210)]
-    assert [i + 1 for i, k in enumerate(picks) if k == 6] == [70, 140, 210]
+    assert adaptive.expected_tokens(6) == pytest.approx(1.984375)
+    assert adaptive.probe_interval(1, 0) == 51 and adaptive.probe_interval(4, 6) == 5
+    picks = [adaptive.choose(1) for _ in range(204)]
+    assert [i + 1 for i, k in enumerate(picks) if k == 6] == [51, 102, 153, 204]
     assert [adaptive.choose(4) for _ in range(10)] == [6] * 10  # best anyway; probes at 5 and 10
-    assert adaptive.probes == 5
+    assert adaptive.probes == 6
 
 
 def test_probes_back_off_while_the_best_k_stays():

@@ -12,16 +12,18 @@ pick the k in 0..max_k that maximises expected tokens per second.
   (``E(0) = 1``: the bonus token).
 * **Cost.** ``step_s[k]``: seconds of one whole decode step (verify + drafting) at a batch bucket
   with k drafts, measured at warm-up (:meth:`AdaptiveK.set_costs`). A bucket without measured costs
-  borrows those of the nearest measured bucket; with none measured, it uses the model ``step_s[k] = 1 + fallback_draft_cost * k`` (relative units; drafting and the
-  wider verify each cost a fixed fraction of a plain step).
+  borrows those of the nearest measured bucket; with none measured, it uses the model
+  ``step_s[k] = 1 + fallback_draft_cost * k`` (relative units; drafting and the wider verify each
+  cost a fixed fraction of a plain step).
 * **Choice.** ``argmax_k bucket * E(k) / step_s[k]``; ties go to the smaller k.
 * **Probing.** Positions beyond the chosen k are never observed, so their estimates go stale.
   Some steps of a bucket (:meth:`AdaptiveK.choose` calls, and :meth:`AdaptiveK.plain_step`
   calls for steps in which no request drafted) choose max_k instead (a probe), so every
   position keeps being measured. Probes cost time, so they are spaced: with ``b`` the best k at
   a bucket's first call and at each probe, the next probe comes
-  ``max(probe_every, ceil((step_s[max_k] / step_s[b] - 1) / probe_budget)) * 2**backoff`` steps
-  later: a probe's extra time, in steps at ``b``, over the share of decode time probes may take.
+  ``max(probe_every, ceil((step_s[max_k] / step_s[b] - E(max_k) / E(b)) / probe_budget)) * 2**backoff``
+  steps later: a probe's net extra time (its step, less the steps at ``b`` that would emit the
+  tokens it is expected to emit), in steps at ``b``, over the share of decode time probes may take.
   ``backoff`` counts the probes in a row at which the best k was what it had been at the probe
   before (capped at ``max_backoff``; back to 0 when it changed): while nothing changes, probes
   grow rarer. Deterministic; ``probe_every=0`` switches probing off, ``probe_budget=0``
@@ -150,9 +152,7 @@ class AdaptiveK:
         self.steps[bucket] += 1
         best = self.best_k(bucket)
         k = best
-        if bucket not in self._next_probe:
-            self._next_probe[bucket] = self.probe_interval(bucket, best)  # the first probe's call
-        if self.probe_every and self.steps[bucket] >= self._next_probe[bucket]:
+        if self.probe_every and self.steps[bucket] >= self._due(bucket, best):
             self.probes += 1
             k = self.max_k
             unchanged = self._probe_best.get(bucket) == best
@@ -171,14 +171,20 @@ class AdaptiveK:
         """Steps at ``bucket`` until its next probe falls due (inf with probing off)."""
         if not self.probe_every:
             return math.inf
-        if bucket not in self._next_probe:  # no call yet: the first probe's call
-            return self.probe_interval(bucket, self.best_k(bucket)) - self.steps[bucket]
-        return self._next_probe[bucket] - self.steps[bucket]
+        return self._due(bucket, self.best_k(bucket)) - self.steps[bucket]
+
+    def _due(self, bucket: int, best: int) -> int:
+        """The step from which ``bucket``'s next choose() probes (first asked: one interval at ``best``)."""
+        if bucket not in self._next_probe:
+            self._next_probe[bucket] = self.probe_interval(bucket, best)
+        return self._next_probe[bucket]
 
     def probe_interval(self, bucket: int, best: int) -> int:
         """Steps from a probe at best k ``best`` to the next probe (module doc)."""
         step_s = self.step_costs(bucket)
-        extra = step_s[self.max_k] / step_s[best] - 1  # a probe's extra time, in steps at the best k
+        # a probe's time beyond what steps at the best k would take for the tokens it is expected
+        # to emit, in steps at the best k
+        extra = step_s[self.max_k] / step_s[best] - self.expected_tokens(self.max_k) / self.expected_tokens(best)
         paid = math.ceil(extra / self.probe_budget) if self.probe_budget > 0 and extra > 0 else 0
         return max(self.probe_every, paid) << self._backoff[bucket]
 
