@@ -345,6 +345,25 @@ def test_compiled_step_functions_have_no_graph_breaks(compiled):
     assert stats["unique_graphs"] == 2  # ... without a recompile
 
 
+def test_compiled_step_functions_stay_static_as_shapes_change():
+    """A compiled step function specializes every new input shape (a bucket, a k) in a graph of
+    its own and keeps only block-table widths dynamic. Dynamo's default would make a changed
+    dimension symbolic from its second value on: graphs that compile for minutes on the CPU
+    and run slower (auto k switching between k's did this to the verify width)."""
+    torch._dynamo.reset()
+    counters.clear()
+
+    def step(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return x.sum(-1) + table.sum(-1)  # [B]
+
+    fn = StepFunction(step, "test-step", compile=True, tables_from=1)
+    for width in (3, 5, 7, 9):  # like the verify width 1 + k
+        for blocks in (4, 8, 16):
+            out = fn(torch.ones(2, width), torch.ones(2, blocks, dtype=torch.long))
+            assert out.tolist() == [width + blocks] * 2
+    assert counters["stats"]["unique_graphs"] == 4  # one per width; the table widths share it
+
+
 def test_compiled_decode_reads_once_per_step(compiled):
     """Compiled, the many-expert MoE stays static: one host read per decode step."""
     _, _, steps, reads, _ = compiled

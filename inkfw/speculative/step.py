@@ -83,9 +83,11 @@ class StepFunction:
 
     ``compile``: wrap ``fn`` in ``torch.compile`` with ``fullgraph=True`` (a graph break is an
     error), static shapes except the block-table widths (args from ``tables_from`` on), so one
-    graph per batch bucket and k serves every context length. Static shapes run about 1.3x
-    faster than fully dynamic ones on the shipped checkpoint (CPU). ``cuda_graphs``: capture one graph per
-    tuple of input shapes on first use and replay it afterwards; the inputs must be the same
+    graph per batch bucket and k serves every context length. ``dynamic=False``: a new bucket or
+    k compiles a graph of its own, where dynamo's default would turn a dimension symbolic at its
+    second value (the verify width under adaptive k: minutes of compile on the CPU, slower
+    steps). Static shapes run about 1.3x faster than fully dynamic ones on the shipped checkpoint
+    (CPU). ``cuda_graphs``: capture one graph per tuple of input shapes on first use and replay it afterwards; the inputs must be the same
     persistent tensors each time (:class:`StepBuffers`), and the outputs are the graph's own
     tensors, overwritten by the next replay. ``warmup_s`` adds up compile and capture time.
     """
@@ -99,7 +101,7 @@ class StepFunction:
         if compile:
             _raise_recompile_limit()
         self.fn = (
-            torch.compile(fn, fullgraph=True, dynamic=None, options=_COMPILE_OPTIONS)  # type: ignore[call-overload]
+            torch.compile(fn, fullgraph=True, dynamic=False, options=_COMPILE_OPTIONS)  # type: ignore[call-overload]
             if compile
             else fn
         )
