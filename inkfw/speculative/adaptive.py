@@ -111,11 +111,15 @@ class AdaptiveK:
 
     def expected_tokens(self, k: int) -> float:
         """``E(k)``: expected tokens one request emits per step with k drafts."""
-        total, chain = 1.0, 1.0
-        for alpha in self.acceptance()[:k]:
+        return self.expected_tokens_all()[k]
+
+    def expected_tokens_all(self) -> list[float]:
+        """``E(0) .. E(max_k)`` in one pass over the estimates."""
+        totals, chain = [1.0], 1.0
+        for alpha in self.acceptance():
             chain *= alpha
-            total += chain
-        return total
+            totals.append(totals[-1] + chain)
+        return totals
 
     def set_costs(self, bucket: int, step_s: Sequence[float]) -> None:
         """Measured seconds of one whole decode step at batch ``bucket`` with k drafts, k = 0..max_k."""
@@ -144,7 +148,7 @@ class AdaptiveK:
     def best_k(self, bucket: int) -> int:
         """The k maximising expected tokens/s at ``bucket`` now (no probing, nothing recorded)."""
         step_s = self.step_costs(bucket)
-        rates = [bucket * self.expected_tokens(k) / step_s[k] for k in range(self.max_k + 1)]  # tokens/s
+        rates = [bucket * e / s for e, s in zip(self.expected_tokens_all(), step_s)]  # tokens/s
         return max(range(self.max_k + 1), key=lambda k: (rates[k], -k))
 
     def choose(self, bucket: int) -> int:
@@ -171,12 +175,13 @@ class AdaptiveK:
         """Steps at ``bucket`` until its next probe falls due (inf with probing off)."""
         if not self.probe_every:
             return math.inf
-        return self._due(bucket, self.best_k(bucket)) - self.steps[bucket]
+        return self._due(bucket) - self.steps[bucket]
 
-    def _due(self, bucket: int, best: int) -> int:
-        """The step from which ``bucket``'s next choose() probes (first asked: one interval at ``best``)."""
+    def _due(self, bucket: int, best: int | None = None) -> int:
+        """The step from which ``bucket``'s next choose() probes (first asked: one interval at the
+        best k, ``best`` or computed only then)."""
         if bucket not in self._next_probe:
-            self._next_probe[bucket] = self.probe_interval(bucket, best)
+            self._next_probe[bucket] = self.probe_interval(bucket, self.best_k(bucket) if best is None else best)
         return self._next_probe[bucket]
 
     def probe_interval(self, bucket: int, best: int) -> int:
@@ -184,7 +189,8 @@ class AdaptiveK:
         step_s = self.step_costs(bucket)
         # a probe's time beyond what steps at the best k would take for the tokens it is expected
         # to emit, in steps at the best k
-        extra = step_s[self.max_k] / step_s[best] - self.expected_tokens(self.max_k) / self.expected_tokens(best)
+        expected = self.expected_tokens_all()
+        extra = step_s[self.max_k] / step_s[best] - expected[self.max_k] / expected[best]
         paid = math.ceil(extra / self.probe_budget) if self.probe_budget > 0 and extra > 0 else 0
         return max(self.probe_every, paid) << self._backoff[bucket]
 
@@ -198,7 +204,7 @@ class AdaptiveK:
         return {
             "max_k": self.max_k,
             "acceptance": self.acceptance(),
-            "expected_tokens": [self.expected_tokens(k) for k in range(self.max_k + 1)],
+            "expected_tokens": self.expected_tokens_all(),
             "chosen": {str(k): n for k, n in sorted(self.chosen.items())},
             "probes": self.probes,
             "probe_every": self.probe_every,

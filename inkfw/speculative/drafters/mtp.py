@@ -128,11 +128,11 @@ class MtpDrafter(StepModes):
             wants.append(min(span.num_drafts, K))
             draft_at.append(len(span.request.token_ids) - (span.start - r) - 1)  # ext index of d_1 = x[L]
             rids.append(rid)
-        # static batches use one span width, k + 1 >= any span after a verify step (docs/design.md §2)
-        T = max(lengths) if pad_to is None else max(*lengths, self.num_tokens + 1)
-        Th = max(len(s.hidden) for s in spans if s.hidden is not None)
-        if pad_to is not None:  # one shape per (bucket, K) whatever k the verify before ran at (adaptive k)
-            Th = max(Th, self.num_tokens + 1)
+        # static batches pad spans and hidden rows to k + 1 >= any span after a verify step (docs/design.md
+        # §2): one shape per (bucket, K), whatever k the verify before ran at (adaptive k)
+        static_width = 0 if pad_to is None else self.num_tokens + 1
+        T = max(*lengths, static_width)
+        Th = max(static_width, *(len(s.hidden) for s in spans if s.hidden is not None))
         E = T + max(K, P)  # ext width: depth s reads ext[:, s : s + T], drafts land up to T + K
         ext = []
         for span, start in zip(spans, starts):
