@@ -29,6 +29,7 @@ from inkfw.profiling import count_host_reads
 from inkfw.speculative.adaptive import AdaptiveK
 from inkfw.speculative.drafters.mtp import MtpDrafter
 from inkfw.speculative.engine import Engine, Request
+from inkfw.speculative.reference import reference_draft_logits
 from inkfw.speculative.sampling import SamplingParams
 from inkfw.speculative.step import DEFAULT_BUCKETS, StepFunction, bucket_for
 from inkfw.speculative.verifier import TargetVerifier
@@ -343,6 +344,42 @@ def test_compiled_step_functions_have_no_graph_breaks(compiled):
     assert stats["graph_break"] == {}
     assert stats["tables"] == {(1, 4), (1, 8)}  # the context crossed a table width ...
     assert stats["unique_graphs"] == 2  # ... without a recompile
+
+
+def test_second_compiled_engine_on_one_model_drafts_exactly(model, compiled):
+    """A second engine on the same model reuses the first one's compiled graphs (same code, same
+    shapes): its drafts must still come from its own caches and tail, equal to the uncached
+    reference, and its output equal to the first engine's (the benchmark builds several engines
+    around one model)."""
+    first, outs, _, _, _ = compiled
+    graphs = counters["stats"]["unique_graphs"]
+    second, _ = make_engine(model, mtp(2, 3), check_drafts=False, overrides=["engine.compile=true"])
+    _, drafter = parts(second)
+    proposals = []
+    propose = drafter.propose
+
+    def recorded(spans, *args, **kwargs):
+        out = propose(spans, *args, **kwargs)
+        for b, span in enumerate(spans):
+            assert out.counts is not None
+            if out.counts[b] and kwargs.get("pad_to") is not None:
+                proposals.append((list(span.request.token_ids), out.tokens[b, : out.counts[b]].tolist()))
+        return out
+
+    drafter.propose = recorded  # type: ignore[method-assign]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(2):  # the first engine runs between the second's requests, as in the benchmark
+            assert one_at_a_time(second, COMPILE_PROMPTS, COMPILE_NEW) == outs
+            assert one_at_a_time(first, COMPILE_PROMPTS, COMPILE_NEW) == outs
+    finally:
+        torch.set_num_threads(threads)
+    assert counters["stats"]["unique_graphs"] == graphs  # the first engine's graphs served the second
+    assert len(proposals) >= 2 * len(COMPILE_PROMPTS)
+    for committed, drafts in proposals:
+        reference = reference_draft_logits(model, torch.tensor(committed), torch.tensor(drafts), 2, 2)
+        assert reference.argmax(-1).tolist() == drafts
 
 
 def test_compiled_step_functions_stay_static_as_shapes_change():
