@@ -32,7 +32,8 @@ def test_hand_built_counts():
     assert m.accepted_per_position == [3, 2, 1]
     assert m.drafted_per_position == [4, 4, 3]
     assert m.per_position_acceptance == pytest.approx([3 / 5, 2 / 5, 1 / 5])
-    assert m.conditional_acceptance == pytest.approx([3 / 5, 2 / 3, 1 / 2])
+    assert m.reached_per_position == [4, 3, 1]  # (3, 3) reached draft 3; (2, 2) drafted none there
+    assert m.conditional_acceptance == pytest.approx([3 / 4, 2 / 3, 1 / 1])
     assert m.mean_acceptance_length == pytest.approx(1 + sum(m.per_position_acceptance))
 
 
@@ -41,6 +42,22 @@ def test_positions_drafted_but_never_accepted_report_zero():
     m.record(4, 1)
     assert m.per_position_acceptance == [1.0, 0.0, 0.0, 0.0]
     assert m.conditional_acceptance == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_conditional_acceptance_under_changing_k():
+    """Adaptive k: many k = 3 steps that accept all three drafts must not make draft 4 look
+    rejected: the 25 k = 8 steps that reached draft 4 accepted it 20 times."""
+    m = SpecMetrics()
+    for _ in range(25):  # k = 3: a = 3, 3, 3, 3, 0
+        m.record([3] * 5, [3, 3, 3, 3, 0])
+    for _ in range(5):  # k = 8 probes: a = 8, 8, 8, 8, 3
+        m.record([8] * 5, [8, 8, 8, 8, 3])
+    assert m.reached_per_position == [150, 125, 125, 25, 20, 20, 20, 20]
+    assert m.conditional_acceptance == pytest.approx([125 / 150, 1.0, 1.0, 20 / 25, 1.0, 1.0, 1.0, 1.0])
+    assert m.accepted_per_position[3] / m.accepted_per_position[2] < 0.2  # the old ratio: deflated
+    plain = SpecMetrics()
+    plain.record([0, 0], [0, 0])  # plain steps reach no draft
+    assert plain.conditional_acceptance == [] and plain.reached_per_position == []
 
 
 def test_empty_metrics_are_zero_and_serialisable():
@@ -118,8 +135,12 @@ def test_identities(engine_steps):
         m.record([d for d, _ in step], [a for _, a in step])
     per_pos, cond = m.per_position_acceptance, m.conditional_acceptance
     assert m.mean_acceptance_length == pytest.approx(1 + sum(per_pos))
-    assert simulated_acceptance_length(cond) == pytest.approx(m.mean_acceptance_length)
-    for i, rate in enumerate(per_pos):  # the conditional rates telescope to the unconditional ones
-        assert math.prod(cond[: i + 1]) == pytest.approx(rate)
-    assert len(per_pos) == len(m.drafted_per_position) == max(d for s in engine_steps for d, _ in s)
+    reached = m.reached_per_position
+    assert all(a <= r for a, r in zip(m.accepted_per_position, reached))
+    assert all(r <= a for r, a in zip(reached[1:], m.accepted_per_position))  # reaching i + 1 took accepting i
+    if len({d for s in engine_steps for d, _ in s}) == 1:  # one k throughout: the chain identities hold
+        assert simulated_acceptance_length(cond) == pytest.approx(m.mean_acceptance_length)
+        for i, rate in enumerate(per_pos):  # the conditional rates telescope to the unconditional ones
+            assert math.prod(cond[: i + 1]) == pytest.approx(rate)
+    assert len(per_pos) == len(reached) == len(m.drafted_per_position) == max(d for s in engine_steps for d, _ in s)
     assert all(a <= d for a, d in zip(m.accepted_per_position, m.drafted_per_position))

@@ -7,7 +7,10 @@ replacement token). From these counts:
 * mean acceptance length tau = (accepted drafts + bonus tokens) / steps = 1 + accepted / steps;
 * per-position acceptance (unconditional, vLLM style): steps that accepted position i / steps,
   so tau = 1 + sum_i rate_i;
-* conditional acceptance: accepted at i / accepted at i-1 (position 0: / steps).
+* conditional acceptance: steps that accepted draft i / steps that reached it (drafted it and
+  accepted every draft before it). With one k for every step this is accepted at i / accepted
+  at i-1; with k changing step to step (adaptive k) a step that accepted all of its k drafts
+  never reached draft k + 1, so it does not count against that position.
 
 Rates with nothing to divide by are reported as 0.0.
 """
@@ -51,6 +54,7 @@ class SpecMetrics:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: steps that accepted draft i
     drafted_per_position: list[int] = field(default_factory=list)  # [i]: steps that drafted a token at i
+    reached_per_position: list[int] = field(default_factory=list)  # [i]: drafted i, accepted all before
 
     def record(
         self, num_drafts: torch.Tensor | Sequence[int] | int, num_accepted: torch.Tensor | Sequence[int] | int
@@ -70,8 +74,10 @@ class SpecMetrics:
             self.num_accepted_tokens += a
             _add_at(self.drafted_per_position, d)
             _add_at(self.accepted_per_position, a)
-        # keep both lists the same length: positions drafted but never accepted show 0
-        self.accepted_per_position.extend([0] * (len(self.drafted_per_position) - len(self.accepted_per_position)))
+            _add_at(self.reached_per_position, min(a + 1, d))
+        # keep the lists the same length: positions drafted but never accepted show 0
+        for counts in (self.accepted_per_position, self.reached_per_position):
+            counts.extend([0] * (len(self.drafted_per_position) - len(counts)))
 
     def merge(self, other: SpecMetrics) -> None:
         """Add ``other``'s counts to these (e.g. from another worker)."""
@@ -82,6 +88,7 @@ class SpecMetrics:
         for mine, theirs in (
             (self.accepted_per_position, other.accepted_per_position),
             (self.drafted_per_position, other.drafted_per_position),
+            (self.reached_per_position, other.reached_per_position),
         ):
             mine.extend([0] * (len(theirs) - len(mine)))
             for i, c in enumerate(theirs):
@@ -110,9 +117,8 @@ class SpecMetrics:
 
     @property
     def conditional_acceptance(self) -> list[float]:
-        """[i]: accepted at i / accepted at i-1 (position 0: / steps)."""
-        before = [self.num_steps] + self.accepted_per_position[:-1]
-        return [_ratio(c, b) for c, b in zip(self.accepted_per_position, before)]
+        """[i]: steps that accepted draft i / steps that reached it (drafted it, accepted all before)."""
+        return [_ratio(c, r) for c, r in zip(self.accepted_per_position, self.reached_per_position)]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -127,6 +133,7 @@ class SpecMetrics:
             "conditional_acceptance": self.conditional_acceptance,
             "accepted_per_position": list(self.accepted_per_position),
             "drafted_per_position": list(self.drafted_per_position),
+            "reached_per_position": list(self.reached_per_position),
         }
 
 
