@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from inkfw.errors import ConfigError
+from inkfw.speculative.metrics import drafts_reached
 
 
 class AdaptiveK:
@@ -96,7 +97,7 @@ class AdaptiveK:
         for n, a in zip(num_drafts, num_accepted):
             if not 0 <= a <= n <= self.max_k:
                 raise ValueError(f"need 0 <= num_accepted <= num_drafts <= {self.max_k}, got {a} and {n}")
-            for i in range(min(a + 1, n)):
+            for i in range(drafts_reached(n, a)):
                 seen[i] += 1
                 accepted[i] += i < a
         for i in range(self.max_k):

@@ -36,6 +36,12 @@ def _ratio(num: float, den: float) -> float:
     return num / den if den else 0.0
 
 
+def drafts_reached(num_drafts: int, num_accepted: int) -> int:
+    """Drafts a verify step reached: drafted, with every draft before accepted (the accepted
+    ones and the first rejected one). Conditional acceptance counts a draft only where reached."""
+    return min(num_accepted + 1, num_drafts)
+
+
 def _add_at(counts: list[int], n: int) -> None:
     """Add 1 to ``counts[0 .. n-1]``, growing the list as needed."""
     if n > len(counts):
@@ -74,7 +80,7 @@ class SpecMetrics:
             self.num_accepted_tokens += a
             _add_at(self.drafted_per_position, d)
             _add_at(self.accepted_per_position, a)
-            _add_at(self.reached_per_position, min(a + 1, d))
+            _add_at(self.reached_per_position, drafts_reached(d, a))
         # keep the lists the same length: positions drafted but never accepted show 0
         for counts in (self.accepted_per_position, self.reached_per_position):
             counts.extend([0] * (len(self.drafted_per_position) - len(counts)))

@@ -88,8 +88,9 @@ class StepFunction:
     second value (the verify width under adaptive k: minutes of compile on the CPU, slower
     steps). Static shapes run about 1.3x faster than fully dynamic ones on the shipped checkpoint
     (CPU). ``cuda_graphs``: capture one graph per tuple of input shapes on first use and replay
-    it afterwards; the inputs must be the same persistent tensors each time (:class:`StepBuffers`), and the outputs are the graph's own
-    tensors, overwritten by the next replay. ``warmup_s`` adds up compile and capture time.
+    it afterwards; the inputs must be the same persistent tensors each time
+    (:class:`StepBuffers`), and the outputs are the graph's own tensors, overwritten by the next
+    replay. ``warmup_s`` adds up compile and capture time.
     """
 
     def __init__(
