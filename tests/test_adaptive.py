@@ -193,6 +193,23 @@ def test_probes_back_off_while_the_best_k_stays():
     assert adaptive.probe_interval(1, 2) == 5 and adaptive._next_probe[1] == 85
 
 
+def test_new_costs_restart_the_probe_schedule():
+    """Costs set after steps were counted (a warm-up measuring them, a re-measurement) reprice the
+    bucket's probes: its next probe is one interval at the new costs after the current step, and
+    its backoff starts over; other buckets keep their schedules."""
+    adaptive = AdaptiveK(max_k=2, prior_acceptance=0.5, probe_every=5, probe_budget=0.05, max_backoff=3)
+    for _ in range(15):
+        adaptive.choose(1)  # fallback costs: k = 2 best; probes at 5 and 10, the next at 20
+    assert adaptive.probes == 2 and adaptive._backoff[1] == 1 and adaptive.steps_to_probe(1) == 5
+    assert adaptive.choose(4) == 2 and adaptive.steps_to_probe(4) == 4
+    adaptive.set_costs(1, [1.0, 3.0, 4.0])  # k = 0 best; a probe costs 4 - 1.75 = 2.25 steps: every 45
+    assert adaptive.best_k(1) == 0 and adaptive.probe_interval(1, 0) == 45
+    assert adaptive.steps_to_probe(1) == 45 and adaptive._backoff[1] == 0
+    picks = [adaptive.choose(1) for _ in range(45)]
+    assert [i + 1 for i, k in enumerate(picks) if k == 2] == [45]
+    assert adaptive.steps_to_probe(4) == 4  # untouched
+
+
 def test_plain_steps_bring_probes_due():
     """Steps in which no request drafted (plain_step) count towards the next probe: a probe is
     due by decode steps, and runs at the next choose() call."""

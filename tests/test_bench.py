@@ -20,7 +20,7 @@ from helpers.bench import bench_cfg, restore_threads  # noqa: F401
 from inkfw.bench import run_bench
 from inkfw.bench.exactness import ExactnessCheck, differing_requests, first_difference
 from inkfw.bench.hf_baseline import HfBaseline
-from inkfw.bench.plan import BenchRun, plan_runs
+from inkfw.bench.plan import BenchRun, plan_runs, round_order
 from inkfw.bench.prompt_sets import batch_requests, load_prompt_set
 from inkfw.bench.run import adaptive_predicted_speedup, add_speedups
 from inkfw.bench.timing import predicted_speedup
@@ -81,6 +81,8 @@ def test_plan_expands_the_lists_into_one_round():
     only = plan_runs(["mtp"], [1, 8], ["eager"], [4], [])
     assert [r.name for r in only] == ["eager mtp k=1 b4", "eager mtp k=8 b4"]
     assert only[0] == BenchRun("inkfw", "eager", "mtp", 1, 4)
+    # repeats alternate the plan's order and its reverse
+    assert [round_order(runs, rep) for rep in range(3)] == [runs, runs[::-1], runs]
 
 
 def test_requests_fill_whole_batches():
@@ -289,12 +291,17 @@ def test_shipped_checkpoint_against_hf(tmp_path):
         assert (tmp_path / png).read_bytes()[:8] == PNG
 
 
-def test_debug_preset_overhead_and_profile(tmp_path):
+def test_debug_preset_overhead_and_profile(tmp_path, capsys):
     """A random-init preset without HF: the engine's step split and overhead per run (with the
-    paged cache's own time), and cProfile listings of the engine's work outside forwards."""
+    paged cache's own time), and cProfile listings of the engine's work outside forwards. The
+    second repeat runs in reverse order."""
     report = run_bench(
         bench_cfg(*DEBUG, "repeats=2", f"output_dir={tmp_path}", "cache_time=true", "profile=true", "plot=false")
     )
+    measured = [line.split(":")[0].split()[1:] for line in capsys.readouterr().out.splitlines() if " repeat " in line]
+    first = [words for words in measured if words[0] == "1/2"]
+    assert [words[1:] for words in first][::-1] == [words[1:] for words in measured if words[0] == "2/2"]
+    assert len(first) == 4
     rows = {(r["drafter"], r["batch_size"]): r for r in report["results"]}
     assert sorted(rows) == [("mtp", 1), ("mtp", 2), ("none", 1), ("none", 2)]
     for (drafter, _), r in rows.items():

@@ -150,6 +150,30 @@ def test_block_registered_only_when_final(model):
     assert kv.is_whole()
 
 
+def test_target_blocks_register_past_the_draft_ones(model):
+    """A request whose drafter stopped early (``num_final_draft`` < ``num_final``) registers its
+    target blocks beyond its draft ones: a request that decodes plainly (``draft=False``) reuses
+    them and takes no draft-group blocks, a drafting request hits only where every group is
+    cached, and draft blocks join when the drafter's positions become final."""
+    kv = _kv(model, lookahead=2)
+    draft = [g.draft for g in kv.groups]
+    assert any(draft) and not all(draft)
+    tokens = list(range(10, 30))  # (20 - 2) // 4 = 4 blocks have their lookahead committed
+    kv.add("a", tokens)
+    assert kv.ensure("a", 16, 16)
+    kv.finalize("a", tokens, 16, num_final_draft=4)
+    assert _cached_blocks(kv) == [1 if d else 4 for d in draft]
+    assert kv.add("plain", tokens, draft=False) == 16
+    assert kv.held_blocks("plain") == [0 if d else n for n, d in zip(_hit_blocks(kv, 16), draft)]
+    assert kv.add("drafting", tokens) == 4
+    kv.finalize("a", tokens, 16, num_final_draft=12)
+    assert _cached_blocks(kv) == [3 if d else 4 for d in draft]
+    assert kv.add("drafting later", tokens) == 12
+    for r in ("a", "plain", "drafting", "drafting later"):
+        kv.free(r)
+    assert kv.is_whole()
+
+
 def test_prefix_hit_leaves_a_token_to_compute(model):
     kv = _kv(model, lookahead=0)
     tokens = list(range(1, 9))  # two whole blocks
@@ -271,9 +295,9 @@ def test_prefix_cache_hit_reuses_blocks(model, monkeypatch):
     hits = []
     add = kv.add
 
-    def spy(rid, tokens):
+    def spy(rid, tokens, draft=True):
         free = kv.num_free_blocks()
-        h = add(rid, tokens)
+        h = add(rid, tokens, draft)
         hits.append((h, kv.held_blocks(rid), [a - b for a, b in zip(free, kv.num_free_blocks())]))
         return h
 
@@ -302,7 +326,7 @@ def test_prefix_hash_covers_lookahead(model, with_mtp):
     eng, kv = make_engine(model, mtp(3, 3) if with_mtp else NO_DRAFTER)
     hits = []
     add = kv.add
-    kv.add = lambda rid, tokens: hits.append(add(rid, tokens)) or hits[-1]
+    kv.add = lambda rid, tokens, draft=True: hits.append(add(rid, tokens, draft)) or hits[-1]
     ra = eng.add_request(a, max_new_tokens=8)
     eng.generate([ra])
     rb = eng.add_request(b, max_new_tokens=8)
@@ -368,7 +392,7 @@ def test_random_operations_keep_books(kv_model, data, lookahead, bs):
     tokens: dict[int, list[int]] = {}
     computed: dict[int, int] = {}  # positions with blocks in every group (what may be finalized)
     trimmed: dict[int, int] = {}
-    registered: list[tuple[list[int], int]] = []  # (tokens, positions finalized) per finalize
+    registered: list[tuple[list[int], int, int]] = []  # (tokens, target and draft positions finalized) per finalize
     next_id = 0
     for _ in range(data.draw(st.integers(5, 40), label="ops")):
         ops = ["add"] + (["grow"] * 3 + ["finalize"] * 2 + ["trim"] + ["free"] * 2 if tokens else [])
@@ -377,10 +401,14 @@ def test_random_operations_keep_books(kv_model, data, lookahead, bs):
             n = data.draw(st.integers(1, len(base)), label="shared")
             toks = base[:n] + data.draw(st.lists(st.integers(0, 9), max_size=6), label="tail")
             rid, next_id = next_id, next_id + 1
-            h = kv.add(rid, toks)
+            drafts = data.draw(st.booleans(), label="drafts")
+            h = kv.add(rid, toks, draft=drafts)
             assert h % bs == 0 and 0 <= h <= len(toks) - 1 and h <= max(0, len(toks) - lookahead)
-            if h:  # only content someone registered, lookahead tokens included
-                assert any(t[: h + lookahead] == toks[: h + lookahead] and f >= h for t, f in registered)
+            if h:  # only content someone registered, lookahead tokens included (in the draft groups too)
+                assert any(
+                    t[: h + lookahead] == toks[: h + lookahead] and (fd if drafts else f) >= h
+                    for t, f, fd in registered
+                )
             tokens[rid], computed[rid], trimmed[rid] = toks, h, 0
         else:
             rid = data.draw(st.sampled_from(sorted(tokens)), label="rid")
@@ -391,8 +419,12 @@ def test_random_operations_keep_books(kv_model, data, lookahead, bs):
                     computed[rid] = max(computed[rid], min(end, len(tokens[rid])))
             elif op == "finalize":
                 num_final = data.draw(st.integers(0, computed[rid]), label="final")
-                kv.finalize(rid, tokens[rid], num_final)
-                registered.append((list(tokens[rid]), min(num_final, len(tokens[rid]) - lookahead) // bs * bs))
+                num_final_draft = data.draw(st.integers(0, num_final), label="final draft")
+                kv.finalize(rid, tokens[rid], num_final, num_final_draft)
+                last = len(tokens[rid]) - lookahead
+                registered.append(
+                    (list(tokens[rid]), min(num_final, last) // bs * bs, min(num_final_draft, last) // bs * bs)
+                )
             elif op == "trim":
                 trimmed[rid] = data.draw(st.integers(trimmed[rid], max(trimmed[rid], computed[rid])), label="q")
                 kv.trim(rid, trimmed[rid])

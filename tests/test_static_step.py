@@ -413,6 +413,7 @@ def test_auto_k_equals_plain_and_measures_costs(model):
     assert adaptive.has_costs(1) and not adaptive.has_costs(2)
     assert len(adaptive.costs[1]) == 3 and all(c > 0 for c in adaptive.costs[1])
     assert not engine.k_chosen and not adaptive.chosen  # warm-up forces k: no choices recorded
+    assert not adaptive._next_probe and not adaptive.steps  # ... and schedules no probe
     for bucket in (1, 2):  # measured costs vary on a busy machine; equal ones keep drafting best
         adaptive.set_costs(bucket, [1.0, 1.0, 1.0])
     rounds = []
@@ -548,6 +549,46 @@ def test_auto_k_stops_drafting_for_good(model, monkeypatch, probe_due):
     plain, _, _ = generate(model, NO_DRAFTER, prompts, new, check_drafts=False)
     assert outputs(reqs) == outputs(plain)
     assert engine.metrics.num_draft_tokens == 0
+
+
+@pytest.mark.parametrize("k0_best", [True, False])
+def test_auto_k_admits_plainly_while_nothing_would_draft(model, k0_best):
+    """Admitted while k = 0 is best at its bucket and no probe can come, a request decodes
+    plainly from admission: its prompt is not drafted over, it holds no draft-cache blocks, and
+    its first prefill chunk fills the step's budget (10) instead of ending P - 1 = 2 short of the
+    prompt's end (D = 3). Where k = 3 is best it drafts as before. Either way its target blocks
+    go to the prefix cache: the same prompt again hits its first two blocks. Outputs equal
+    plain decoding."""
+    engine, kv = make_engine(
+        model, ["drafter=mtp", "mtp.depths=3", "spec.num_tokens=auto"], check_drafts=False, max_num_batched_tokens=10
+    )
+    adaptive = engine.adaptive
+    assert isinstance(adaptive, AdaptiveK) and engine.drafter.lookahead == 3
+    adaptive.set_costs(1, [1.0, 100.0, 100.0, 100.0] if k0_best else [1.0] * 4)
+    adaptive.probe_every = 0
+    proposed = []
+    drafter = parts(engine)[1]
+    propose = drafter.propose
+
+    def recording(spans, *args, **kwargs):
+        proposed.append(len(spans))
+        return propose(spans, *args, **kwargs)
+
+    drafter.propose = recording  # type: ignore[method-assign]
+    prompt = prompts_of(63, 1, lo=12, hi=12)[0]
+    r = engine.add_request(prompt, max_new_tokens=8)
+    engine.step()
+    assert r.drafting_off == k0_best and r.num_computed == (10 if k0_best else 9)
+    draft_blocks = [len(t) for g, t in zip(kv.groups, kv._tables[r.id]) if g.draft]
+    assert (sum(draft_blocks) == 0) == k0_best
+    engine.generate([r])
+    assert (not proposed) == k0_best and (engine.metrics.num_draft_tokens > 0) != k0_best
+    again = engine.add_request(prompt, max_new_tokens=8)
+    engine.step()
+    assert again.num_computed == 11  # a hit of (12 - P) // 4 = 2 blocks, then the rest in one chunk
+    engine.generate([again])
+    plain, _, _ = generate(model, NO_DRAFTER, [prompt], 8, check_drafts=False)
+    assert outputs([r]) == outputs([again]) == outputs(plain)
 
 
 # --------------------------------------------------------------------------- 6. warm-up

@@ -69,7 +69,7 @@ class ExactnessCheck:
         key = (prompt_set, batch_size, repeat)
         if key not in self._outputs:
             self._outputs[key] = (run, outputs)
-            self.references[(prompt_set, batch_size)] = run
+            self.references.setdefault((prompt_set, batch_size), run)  # the first repeat's
             return []
         reference, expected = self._outputs[key]
         differ = differing_requests(outputs, expected)

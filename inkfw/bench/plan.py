@@ -10,7 +10,7 @@ A run is one system decoding one prompt set at one batch size:
 
 :func:`plan_runs` expands the option lists into the ordered list of runs of one round; the
 benchmark repeats that round ``repeats`` times per prompt set, so a noisy machine slows every
-run alike. Runs that share mode, drafter, k and batch size share one engine.
+run alike, in the plan's order and reversed in turn (:func:`round_order`). Runs that share mode, drafter, k and batch size share one engine.
 """
 
 from __future__ import annotations
@@ -113,3 +113,10 @@ def plan_runs(
                 for k in [0] if drafter == "none" else num_tokens:
                     runs.append(BenchRun("inkfw", mode, drafter, k, batch))
     return runs
+
+
+def round_order(runs: list[BenchRun], repeat: int) -> list[BenchRun]:
+    """The order of repeat ``repeat`` (from 0): the plan's on even repeats, reversed on odd ones,
+    so over an even number of repeats no run always comes first or right after the same one
+    (load, caches or clocks that drift within a round weigh on every run alike)."""
+    return list(runs) if repeat % 2 == 0 else list(reversed(runs))

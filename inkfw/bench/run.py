@@ -14,7 +14,7 @@ the same ``max_new_tokens`` for all. Every engine is built once through the serv
 (:func:`~inkfw.speculative.factory.build_engine`, around the one shared model) and warmed up
 (:meth:`Engine.warmup` for its batch size, timed as ``warmup_s``, then a short unmeasured
 generate of one batch per prompt set); neither counts in tokens/s. A round decodes every prompt set with every run; the
-benchmark makes ``repeats`` rounds and sums them.
+benchmark makes ``repeats`` rounds, every other one in reverse order, and sums them.
 
 Reported per run (``bench.json``; rendered by :mod:`inkfw.reporting`):
 
@@ -67,6 +67,7 @@ from inkfw.bench.plan import (
     num_tokens_list,
     plan_runs,
     positive_ints,
+    round_order,
 )
 from inkfw.bench.prompt_sets import NAMED_SETS, batch_requests, load_prompt_set
 from inkfw.bench.timing import (
@@ -531,7 +532,8 @@ def run_bench(cfg: Any) -> dict[str, Any]:
     rounds = Rounds(console, cases, hf, ExactnessCheck() if greedy else None)
     for rep in range(opts.repeats):
         for set_name, prompts in prompt_sets.items():
-            rounds.measure(rep, opts.repeats, set_name, prompts, runs, opts.max_new_tokens, bool(cfg.cache_time))
+            order = round_order(runs, rep)
+            rounds.measure(rep, opts.repeats, set_name, prompts, order, opts.max_new_tokens, bool(cfg.cache_time))
     check = rounds.check
 
     rows: list[dict[str, Any]] = []

@@ -18,10 +18,12 @@ owner is never read (masked for attention, zeros for the convs).
 
 Rules from the design (§3):
 
-* prefix caching registers a block only when every group's state in it is final: all its
-  positions and the ``lookahead`` tokens after it are committed (``num_final`` below), and the
-  block's hash covers those lookahead tokens, because MTP depth ``s`` at position ``t`` reads
-  tokens up to ``t + s + 1``. Freed blocks stay findable until evicted (LRU);
+* prefix caching registers a block in a group only when that group's state in it is final: all
+  its positions and the ``lookahead`` tokens after it are committed (``num_final`` below; draft
+  groups may stop earlier, ``num_final_draft``), and the block's hash covers those lookahead
+  tokens, because MTP depth ``s`` at position ``t`` reads tokens up to ``t + s + 1``. A lookup
+  needs every group, or the target groups only for a request that decodes plainly. Freed blocks
+  stay findable until evicted (LRU);
 * windowed groups (sliding attention, conv state) free blocks no future query can read, but
   keep ``lookahead - 1`` extra positions for the drafter's re-prefill;
 * one extra *scratch* block per group absorbs writes of padding tokens.
@@ -405,7 +407,8 @@ class PagedKVManager:
             self.draft_layout.append(add_layers(f"draft/{d}", depth.block.attn.window, [depth.block], draft=True))
         self.device = device
         self._tables: dict[Hashable, list[list[int]]] = {}
-        self._hashes: dict[Hashable, list[bytes]] = {}  # registered block hashes, in order
+        self._hashes: dict[Hashable, list[bytes]] = {}  # block hashes of the registered blocks, in order
+        self._num_draft_registered: dict[Hashable, int] = {}  # of those, blocks registered in draft groups
 
     # ------------------------------------------------------------------ queries
     def num_free_blocks(self) -> list[int]:
@@ -448,15 +451,20 @@ class PagedKVManager:
             out.append(parent)
         return out
 
-    def add(self, rid: Hashable, tokens: Sequence[int]) -> int:
+    def add(self, rid: Hashable, tokens: Sequence[int], draft: bool = True) -> int:
         """Start request ``rid`` with committed ``tokens``; returns how many leading positions
-        are already cached (a multiple of the block size, leaving >= 1 token to compute)."""
+        are already cached (a multiple of the block size, leaving >= 1 token to compute).
+        ``draft=False``: ``rid`` decodes plainly, so a prefix hit needs the target groups only
+        and ``rid`` gets no draft-group blocks."""
         assert rid not in self._tables, f"request {rid} added twice"
         tables = [[] for _ in self.groups]
         self._tables[rid] = tables
         self._hashes[rid] = []
+        self._num_draft_registered[rid] = 0
         if not self.enable_prefix_caching:
             return 0
+        wanted = [draft or not g.draft for g in self.groups]
+        groups = [g for g, want in zip(self.groups, wanted) if want]
         bs = self.block_size
         candidates = (len(tokens) - self.lookahead) // bs  # blocks whose lookahead is committed
         if len(tokens) - candidates * bs < 1:
@@ -466,15 +474,17 @@ class PagedKVManager:
         hashes = self._hash_chain(tokens, candidates)
         for j in range(candidates, 0, -1):
             h = j * bs
-            if all(hashes[i] in g.pool.cached for g in self.groups for i in range(self._needed_from(g, h) // bs, j)):
+            if all(hashes[i] in g.pool.cached for g in groups for i in range(self._needed_from(g, h) // bs, j)):
                 break
         else:
             return 0
-        for g, table in zip(self.groups, tables):
-            first = self._needed_from(g, h) // bs
-            table.extend([-1] * first)
-            table.extend(g.pool.acquire_cached(hashes[i]) for i in range(first, j))
+        for g, table, want in zip(self.groups, tables, wanted):
+            if want:
+                first = self._needed_from(g, h) // bs
+                table.extend([-1] * first)
+                table.extend(g.pool.acquire_cached(hashes[i]) for i in range(first, j))
         self._hashes[rid] = hashes[:j]
+        self._num_draft_registered[rid] = j if draft else 0
         return h
 
     def ensure(self, rid: Hashable, target_end: int, draft_end: int) -> bool:
@@ -499,23 +509,33 @@ class PagedKVManager:
                 if block >= 0:
                     g.pool.release(block)
         self._hashes.pop(rid, None)
+        self._num_draft_registered.pop(rid, None)
 
-    def finalize(self, rid: Hashable, tokens: Sequence[int], num_final: int) -> None:
-        """Positions < ``num_final`` of ``rid`` are final in every group: register their full
-        blocks for prefix caching (``tokens`` must hold ``lookahead`` tokens past them)."""
+    def finalize(
+        self, rid: Hashable, tokens: Sequence[int], num_final: int, num_final_draft: int | None = None
+    ) -> None:
+        """Positions < ``num_final`` of ``rid`` are final in the target groups, and positions <
+        ``num_final_draft`` (default and at most ``num_final``) in the draft groups: register
+        their full blocks for prefix caching (``tokens`` must hold ``lookahead`` tokens past
+        them). A request whose drafter stopped early registers target blocks beyond its draft
+        ones, which requests that decode plainly can reuse."""
         if not self.enable_prefix_caching:
             return
-        done = self._hashes[rid]
-        full = min(num_final, len(tokens) - self.lookahead) // self.block_size
-        if full <= len(done):
+        limit, bs = len(tokens) - self.lookahead, self.block_size
+        full = min(num_final, limit) // bs
+        full_draft = min(num_final if num_final_draft is None else num_final_draft, num_final, limit) // bs
+        done, done_draft = self._hashes[rid], self._num_draft_registered[rid]
+        if full <= len(done) and full_draft <= done_draft:
             return
-        hashes = self._hash_chain(tokens, full)
+        hashes = self._hash_chain(tokens, max(full, len(done)))
         assert hashes[: len(done)] == done, "committed tokens of a request changed"
         for g, table in zip(self.groups, self._tables[rid]):
-            for j in range(len(done), full):
-                if j < len(table) and table[j] >= 0:
+            first, end = (done_draft, full_draft) if g.draft else (len(done), full)
+            for j in range(first, min(end, len(table))):
+                if table[j] >= 0:
                     g.pool.register(table[j], hashes[j])
         self._hashes[rid] = hashes
+        self._num_draft_registered[rid] = max(done_draft, full_draft)
 
     def trim(self, rid: Hashable, first_query: int) -> None:
         """Free windowed blocks no query at ``first_query`` or later can read."""

@@ -28,7 +28,8 @@ pick the k in 0..max_k that maximises expected tokens per second.
   before (capped at ``max_backoff``; back to 0 when it changed): while nothing changes, probes
   grow rarer. Deterministic; ``probe_every=0`` switches probing off, ``probe_budget=0``
   and ``max_backoff=0`` give a probe exactly every ``probe_every`` steps. A probe falls due at
-  a step; it runs at the next choose() call.
+  a step; it runs at the next choose() call. New costs (:meth:`set_costs`) reprice a bucket's
+  probes: its schedule (next probe, backoff) starts over from its current step.
 """
 
 from __future__ import annotations
@@ -123,7 +124,8 @@ class AdaptiveK:
         return totals
 
     def set_costs(self, bucket: int, step_s: Sequence[float]) -> None:
-        """Measured seconds of one whole decode step at batch ``bucket`` with k drafts, k = 0..max_k."""
+        """Measured seconds of one whole decode step at batch ``bucket`` with k drafts, k = 0..max_k.
+        The bucket's probes are priced anew: its schedule starts over from its current step."""
         values = [float(s) for s in step_s]
         if bucket < 1 or len(values) != self.max_k + 1 or not all(math.isfinite(s) and s > 0 for s in values):
             raise ConfigError(
@@ -131,6 +133,9 @@ class AdaptiveK:
                 f"got bucket {bucket} and {values}."
             )
         self.costs[bucket] = values
+        self._next_probe.pop(bucket, None)
+        self._probe_best.pop(bucket, None)
+        self._backoff.pop(bucket, None)
 
     def has_costs(self, bucket: int) -> bool:
         return bucket in self.costs
@@ -154,10 +159,11 @@ class AdaptiveK:
 
     def choose(self, bucket: int) -> int:
         """k for this engine step at ``bucket``: :meth:`best_k`, or max_k on a probe step."""
-        self.steps[bucket] += 1
         best = self.best_k(bucket)
+        due = self._due(bucket, best) if self.probe_every else math.inf  # scheduled before this step
+        self.steps[bucket] += 1
         k = best
-        if self.probe_every and self.steps[bucket] >= self._due(bucket, best):
+        if self.steps[bucket] >= due:
             self.probes += 1
             k = self.max_k
             unchanged = self._probe_best.get(bucket) == best
@@ -179,10 +185,11 @@ class AdaptiveK:
         return self._due(bucket) - self.steps[bucket]
 
     def _due(self, bucket: int, best: int | None = None) -> int:
-        """The step from which ``bucket``'s next choose() probes (first asked: one interval at the
-        best k, ``best`` or computed only then)."""
+        """The step from which ``bucket``'s next choose() probes (first asked since the start or
+        since :meth:`set_costs`: one interval at the best k, ``best`` or computed only then)."""
         if bucket not in self._next_probe:
-            self._next_probe[bucket] = self.probe_interval(bucket, self.best_k(bucket) if best is None else best)
+            interval = self.probe_interval(bucket, self.best_k(bucket) if best is None else best)
+            self._next_probe[bucket] = self.steps[bucket] + interval
         return self._next_probe[bucket]
 
     def probe_interval(self, bucket: int, best: int) -> int:

@@ -391,7 +391,8 @@ class Engine:
             if r.finished:
                 continue
             done = r.num_computed if r.lag_start is None else r.lag_start  # the drafter's caches end here
-            self.kv.finalize(r.id, r.token_ids, min(done, len(r.token_ids) - lookahead))
+            final = len(r.token_ids) - lookahead
+            self.kv.finalize(r.id, r.token_ids, min(r.num_computed, final), min(done, final))
             read_from = r.num_computed if r.drafting_off else done  # what the next forwards read
             self.kv.trim(r.id, max(0, read_from - max(0, lookahead - 1)))
         for r in finished:
@@ -414,6 +415,23 @@ class Engine:
             return self.drafter.num_tokens
         return self.adaptive.choose(bucket)
 
+    def _probe_soon(self, bucket: int) -> bool:
+        """Whether adaptive k probes ``bucket`` before a lag started now could outgrow
+        :data:`LAG_LIMIT` (never while warm-up forces k: its requests are thrown away)."""
+        if self.adaptive is None or self._forced_k is not None:
+            return False
+        return self.adaptive.steps_to_probe(bucket) <= LAG_LIMIT
+
+    def _admits_plainly(self, num_rows: int) -> bool:
+        """Whether a request admitted into a batch of ``num_rows`` decodes plainly for good
+        (docs/design.md §6): adaptive k's best at that bucket is 0 and no probe falls due soon, so
+        its prompt would be drafted over for nothing and its chunks need not stop short for the
+        drafter."""
+        if self.adaptive is None or self._forced_k is not None or not self.drafter.needs_hidden:
+            return False
+        bucket = bucket_for(num_rows, self.config.batch_buckets)
+        return self.adaptive.best_k(bucket) == 0 and not self._probe_soon(bucket)
+
     def _draft(self, spans: list[DraftSpan], num_rows: int) -> None:
         """Propose the next drafts of ``spans`` into their requests' slots. With adaptive k at 0
         (docs/design.md §6), decode spans wait (the lag) and are drafted over with the next round
@@ -423,7 +441,7 @@ class Engine:
         bucket = bucket_for(num_rows, self.config.batch_buckets)
         k = self._round_k(bucket)
         if k == 0 and self.drafter.needs_hidden:
-            probe_soon = self.adaptive is not None and self.adaptive.steps_to_probe(bucket) <= LAG_LIMIT
+            probe_soon = self._probe_soon(bucket)
             for s in spans:
                 r = cast(Request, s.request)
                 if s.num_accepted is None:  # a prefill chunk: drafted over (no drafts) only if probed soon
@@ -476,21 +494,24 @@ class Engine:
         k, P = self.drafter.num_tokens, self.drafter.lookahead
         extra = max(0, k - P)  # decode-step positions past a span
         L = len(r.token_ids)
+        if r.drafting_off:  # stopped drafting: no new draft blocks
+            return (L + r.num_pending if chunk_end is None else chunk_end), 0
         if chunk_end is None:  # verify
             n = r.num_pending
-            return L + n, 0 if r.drafting_off else L + n + extra  # stopped drafting: no new draft blocks
+            return L + n, L + n + extra
         return chunk_end, chunk_end + (extra if chunk_end == L - 1 else 0)
 
     def _chunk_end(self, r: Request, budget: int) -> int | None:
         """End of ``r``'s next prefill chunk within ``budget`` tokens (None: ``r`` verifies
-        next; ``num_computed``: no budget left). Chunks other than the last end at least P - 1
-        positions before it, so their drafter inputs are all known."""
+        next; ``num_computed``: no budget left). A drafting request's chunks other than the last
+        end at least P - 1 positions before it, so their drafter inputs are all known."""
         c0, end = r.num_computed, len(r.token_ids) - 1
         if c0 >= end:
             return None
         if budget < 1:
             return c0
-        room = end - c0 - max(0, self.drafter.lookahead - 1)  # longest chunk that is not the last
+        lookahead = 0 if r.drafting_off else self.drafter.lookahead
+        room = end - c0 - max(0, lookahead - 1)  # longest chunk that is not the last
         if end - c0 <= budget or room < 1:
             return end
         return c0 + min(budget, room)
@@ -523,10 +544,14 @@ class Engine:
             and not self._preempted_this_step
         ):
             r = self.waiting[0]
-            r.num_computed = self.kv.add(r.id, r.token_ids)
+            plainly = self._admits_plainly(len(self.running) + 1)
+            r.num_computed = self.kv.add(r.id, r.token_ids, draft=not plainly)
+            if plainly:
+                r.lag_start, r.drafting_off = r.num_computed, True  # its drafter has no state
             chunk_end = self._chunk_end(r, budget)
             if not self.kv.ensure(r.id, *self._needs(r, chunk_end)):
                 self.kv.free(r.id)
+                r.lag_start, r.drafting_off = None, False
                 if not self.running:
                     self.waiting.popleft()
                     self._fail(
