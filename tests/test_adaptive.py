@@ -9,7 +9,7 @@ import random
 import pytest
 
 from inkfw.errors import ConfigError
-from inkfw.speculative.adaptive import AdaptiveK
+from inkfw.speculative.adaptive import AdaptiveK, non_decreasing
 
 
 def draw_steps(rng: random.Random, rates: list[float], k: int, batch: int) -> tuple[list[int], list[int]]:
@@ -119,6 +119,22 @@ def test_extreme_cost_curves_give_the_extreme_k():
         adaptive.observe([8] * 4, [0] * 4)
     assert adaptive.choose(1) == 0
     assert adaptive.chosen == {8: 1, 0: 2}
+
+
+def test_noisy_costs_are_kept_non_decreasing():
+    """Warm-up timings on a busy machine (measured: k = 8 below k = 7, k = 2 below k = 1) would
+    make a larger k look cheaper; each decreasing run is pooled to its mean instead."""
+    measured = [21.7, 49.1, 47.0, 54.7, 50.9, 54.3, 61.7, 75.2, 64.6]
+    smooth = non_decreasing(measured)
+    assert smooth == pytest.approx([21.7, 48.05, 48.05, 52.8, 52.8, 54.3, 61.7, 69.9, 69.9])
+    assert sum(smooth) == pytest.approx(sum(measured))
+    assert non_decreasing([3.0, 2.0, 1.0]) == pytest.approx([2.0] * 3) and non_decreasing([1.0, 2.0]) == [1.0, 2.0]
+    adaptive = AdaptiveK(max_k=8, prior_acceptance=0.85, probe_every=0)
+    adaptive.costs[1] = measured  # as they came
+    assert adaptive.best_k(1) == 8  # k = 8 (64.6) undercuts k = 7 (75.2)
+    adaptive.set_costs(1, measured)
+    assert adaptive.costs[1] == pytest.approx(smooth)
+    assert adaptive.best_k(1) == 5
 
 
 def test_ties_go_to_the_smaller_k():

@@ -11,7 +11,7 @@ pick the k in 0..max_k that maximises expected tokens per second.
 * **Expected tokens** of one request at k: ``E(k) = 1 + sum_{i=1..k} prod_{j<=i} alpha_j``
   (``E(0) = 1``: the bonus token).
 * **Cost.** ``step_s[k]``: seconds of one whole decode step (verify + drafting) at a batch bucket
-  with k drafts, measured at warm-up (:meth:`AdaptiveK.set_costs`). A bucket without measured costs
+  with k drafts, measured at warm-up (:meth:`AdaptiveK.set_costs`) and kept non-decreasing in k. A bucket without measured costs
   borrows those of the nearest measured bucket; with none measured, it uses the model
   ``step_s[k] = 1 + fallback_draft_cost * k`` (relative units; drafting and the wider verify each
   cost a fixed fraction of a plain step).
@@ -41,6 +41,19 @@ from typing import Any
 
 from inkfw.errors import ConfigError
 from inkfw.speculative.metrics import drafts_reached
+
+
+def non_decreasing(values: Sequence[float]) -> list[float]:
+    """The non-decreasing sequence closest to ``values`` in least squares (pool adjacent
+    violators: each run that decreases is replaced by its mean)."""
+    blocks: list[list[float]] = []  # [sum, count] of each pooled run
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]
 
 
 class AdaptiveK:
@@ -125,14 +138,17 @@ class AdaptiveK:
 
     def set_costs(self, bucket: int, step_s: Sequence[float]) -> None:
         """Measured seconds of one whole decode step at batch ``bucket`` with k drafts, k = 0..max_k.
-        The bucket's probes are priced anew: its schedule starts over from its current step."""
+        A step with more drafts does at least the work of one with fewer, so the costs kept are
+        the closest non-decreasing ones (:func:`non_decreasing`): timing noise must not make a
+        larger k look cheaper. The bucket's probes are priced anew: its schedule starts over
+        from its current step."""
         values = [float(s) for s in step_s]
         if bucket < 1 or len(values) != self.max_k + 1 or not all(math.isfinite(s) and s > 0 for s in values):
             raise ConfigError(
                 f"step costs need a bucket >= 1 and {self.max_k + 1} finite positive seconds (k = 0..{self.max_k}), "
                 f"got bucket {bucket} and {values}."
             )
-        self.costs[bucket] = values
+        self.costs[bucket] = non_decreasing(values)
         self._next_probe.pop(bucket, None)
         self._probe_best.pop(bucket, None)
         self._backoff.pop(bucket, None)
