@@ -476,7 +476,7 @@ def test_auto_k_draft_rounds_keep_one_shape_per_bucket_and_k(model, step_calls):
     adaptive = engine.adaptive
     assert isinstance(adaptive, AdaptiveK)
     for bucket in (1, 2):
-        adaptive.set_costs(bucket, [100.0, 1.0, 2.0])  # E(2) / 2 <= E(1): k = 1 unless probing
+        adaptive.set_costs(bucket, [1.0, 1.0, 2.0])  # E(1) / 1 > E(2) / 2 and >= E(0): k = 1 unless probing
     adaptive.probe_every, adaptive.probe_budget, adaptive.max_backoff = 3, 0.0, 0
     reqs = [engine.add_request(p, max_new_tokens=new) for p in prompts]
     engine.generate(reqs)
