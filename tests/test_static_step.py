@@ -26,7 +26,7 @@ from helpers.engine import (  # noqa: F401
 )
 from inkfw.models.inkling.layers import MoE
 from inkfw.profiling import count_host_reads
-from inkfw.speculative.adaptive import AdaptiveK
+from inkfw.speculative.adaptive import AdaptiveK, non_decreasing
 from inkfw.speculative.drafters.mtp import MtpDrafter
 from inkfw.speculative.engine import Engine, Request
 from inkfw.speculative.reference import reference_draft_logits
@@ -409,11 +409,18 @@ def test_auto_k_equals_plain_and_measures_costs(model):
     engine, _ = make_engine(model, AUTO, check_drafts=False)
     adaptive = engine.adaptive
     assert isinstance(adaptive, AdaptiveK) and adaptive.max_k == 2 and engine.drafter.num_tokens == 2
+    measured = []  # the costs: every k timed in each of 3 rounds over one set of long-context requests
+    measure = engine._measure_step_costs
+    engine._measure_step_costs = lambda *args: measured.append(measure(*args)) or measured[-1]  # type: ignore[method-assign]
     assert engine.warmup([1]) > 0
+    assert len(measured) == 1 and sorted(measured[0]) == [0, 1, 2]
+    assert adaptive.costs[1] == pytest.approx(non_decreasing([measured[0][k] for k in range(3)]))
     assert adaptive.has_costs(1) and not adaptive.has_costs(2)
     assert len(adaptive.costs[1]) == 3 and all(c > 0 for c in adaptive.costs[1])
     assert not engine.k_chosen and not adaptive.chosen  # warm-up forces k: no choices recorded
     assert not adaptive._next_probe and not adaptive.steps  # ... and schedules no probe
+    assert not engine.running and not engine.waiting and engine.kv.is_whole()
+    # the costs: every k timed in each of 3 rounds over one set of requests with a long context
     for bucket in (1, 2):  # measured costs vary on a busy machine; equal ones keep drafting best
         adaptive.set_costs(bucket, [1.0, 1.0, 1.0])
     rounds = []

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import itertools
 import math
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -280,13 +281,13 @@ class Engine:
 
     # -------------------------------------------------------------------- warm-up
     @torch.no_grad()
-    def warmup(self, batch_sizes: Sequence[int] | None = None, timed_steps: int = 3) -> float:
+    def warmup(self, batch_sizes: Sequence[int] | None = None, timed_steps: int = 3, cost_rounds: int = 3) -> float:
         """Compile (``engine.compile``) or capture (``engine.cuda_graphs``) the step functions for
         the batch buckets of ``batch_sizes`` (default: 1), and with adaptive k measure the cost
-        of one decode step at every k = 0 .. k_max per bucket (the fastest of ``timed_steps``
-        steps after two untimed ones, in each of two passes over k). Runs throwaway requests of
-        random tokens and leaves the engine as it was: no requests, metrics and timings untouched.
-        Returns the seconds spent, also added to :attr:`warmup_s`, which tokens/s figures leave out."""
+        of one decode step at every k = 0 .. k_max per bucket (:meth:`_measure_step_costs`).
+        Runs throwaway requests of random tokens and leaves the engine as it was: no requests,
+        metrics and timings untouched. Returns the seconds spent, also added to
+        :attr:`warmup_s`, which tokens/s figures leave out."""
         if self.has_unfinished():
             raise RuntimeError("Engine.warmup needs an idle engine (no waiting or running requests).")
         t0 = time.perf_counter()
@@ -296,34 +297,67 @@ class Engine:
         gen = torch.Generator().manual_seed(0)
         try:
             k_max = self.drafter.num_tokens
-            ks = range(k_max + 1) if self.adaptive is not None else [k_max]
-            passes = 2 if self.adaptive is not None else 1  # the first compiles; costs: the fastest step of both
+            ks = list(range(k_max + 1)) if self.adaptive is not None else [k_max]
             for bucket in sorted({bucket_for(b, self.config.batch_buckets) for b in (batch_sizes or [1])}):
                 rows = min(bucket, self.config.max_num_seqs)
-                timed: dict[int, list[float]] = collections.defaultdict(list)
-                for _ in range(passes):
-                    for k in ks:
-                        self._forced_k = k
-                        prompts = torch.randint(3, self.vocab_size, (rows, 8), generator=gen).tolist()
-                        length = min((2 + timed_steps) * (k + 1) + 2, self.max_model_len - 9)
-                        requests = [self.add_request(p, max_new_tokens=length) for p in prompts]
-                        seconds = []
-                        while any(not r.finished for r in requests) and len(seconds) < 3 + timed_steps:
-                            t = time.perf_counter()
-                            self.step()
-                            seconds.append(time.perf_counter() - t)  # [prefill, compile, compile, timed ...]
-                        for r in requests:
-                            self.abort(r)
-                        timed[k] += seconds[3:] or seconds
-                costs = [min(timed[k]) for k in ks]  # load on a shared machine only ever adds time
+                fastest = {}  # k -> fastest step after the compiling ones (the fallback cost)
+                for k in ks:  # every step shape of the bucket, compiled or captured at first use
+                    self._forced_k = k
+                    prompts = torch.randint(3, self.vocab_size, (rows, 8), generator=gen).tolist()
+                    length = min((2 + timed_steps) * (k + 1) + 2, self.max_model_len - 9)
+                    requests = [self.add_request(p, max_new_tokens=length) for p in prompts]
+                    seconds = []
+                    while any(not r.finished for r in requests) and len(seconds) < 3 + timed_steps:
+                        t = time.perf_counter()
+                        self.step()
+                        seconds.append(time.perf_counter() - t)  # [prefill, compile, compile, timed ...]
+                    for r in requests:
+                        self.abort(r)
+                    fastest[k] = min(seconds[3:] or seconds)
                 if self.adaptive is not None:
-                    self.adaptive.set_costs(bucket, costs)
+                    measured = self._measure_step_costs(rows, ks, cost_rounds, gen)
+                    self.adaptive.set_costs(bucket, [measured.get(k, fastest[k]) for k in ks])
         finally:
             self._forced_k = None
             self.metrics, self.times, self.k_chosen, self.eos_ids = saved
         seconds = time.perf_counter() - t0
         self.warmup_s += seconds
         return seconds
+
+    def _measure_step_costs(self, rows: int, ks: Sequence[int], rounds: int, gen: torch.Generator) -> dict[int, float]:
+        """Seconds of one decode step at each k in ``ks`` for ``rows`` requests, the median of
+        ``rounds`` rounds. One set of requests with a realistic context (128 prompt tokens, at
+        most a quarter of ``max_model_len``) steps through every k in each round, forward and
+        backward in turn, so load that comes and goes on a shared machine weighs on every k
+        alike; each k runs two steps and the second, which verifies k drafts and drafts k, is
+        timed. Rounds cut short by the requests' length leave fewer samples (none: k is
+        missing from the result)."""
+        prompt_len = max(8, min(128, self.max_model_len // 4))
+        prompts = torch.randint(3, self.vocab_size, (rows, prompt_len), generator=gen).tolist()
+        requests = [self.add_request(p, max_new_tokens=self.max_model_len - prompt_len - 1) for p in prompts]
+        samples: dict[int, list[float]] = collections.defaultdict(list)
+        forced = self._forced_k
+        try:
+            self._forced_k = max(ks)
+            while any(not r.finished and r.num_computed < len(r.token_ids) - 1 for r in requests):
+                self.step()  # prefill, drafting over the prompts
+            for rnd in range(rounds):
+                for k in ks if rnd % 2 == 0 else ks[::-1]:
+                    self._forced_k = k
+                    seconds = []
+                    for _ in range(2):
+                        if any(r.finished for r in requests):
+                            break
+                        t = time.perf_counter()
+                        self.step()
+                        seconds.append(time.perf_counter() - t)
+                    if len(seconds) == 2:
+                        samples[k].append(seconds[1])
+        finally:
+            self._forced_k = forced
+            for r in requests:
+                self.abort(r)
+        return {k: statistics.median(v) for k, v in samples.items()}
 
     # ---------------------------------------------------------------------- step
     def step(self) -> list[Request]:
