@@ -300,7 +300,7 @@ class Engine:
             ks = list(range(k_max + 1)) if self.adaptive is not None else [k_max]
             for bucket in sorted({bucket_for(b, self.config.batch_buckets) for b in (batch_sizes or [1])}):
                 rows = min(bucket, self.config.max_num_seqs)
-                fastest = {}  # k -> fastest step after the compiling ones (the fallback cost)
+                fastest: dict[int, float] = {}  # k -> fastest step after the compiling ones (the fallback cost)
                 for k in ks:  # every step shape of the bucket, compiled or captured at first use
                     self._forced_k = k
                     prompts = torch.randint(3, self.vocab_size, (rows, 8), generator=gen).tolist()
