@@ -531,8 +531,8 @@ def run_bench(cfg: Any) -> dict[str, Any]:
 
     rounds = Rounds(console, cases, hf, ExactnessCheck() if greedy else None)
     for rep in range(opts.repeats):
+        order = round_order(runs, rep)
         for set_name, prompts in prompt_sets.items():
-            order = round_order(runs, rep)
             rounds.measure(rep, opts.repeats, set_name, prompts, order, opts.max_new_tokens, bool(cfg.cache_time))
     check = rounds.check
 

@@ -463,8 +463,7 @@ class PagedKVManager:
         self._num_draft_registered[rid] = 0
         if not self.enable_prefix_caching:
             return 0
-        wanted = [draft or not g.draft for g in self.groups]
-        groups = [g for g, want in zip(self.groups, wanted) if want]
+        wanted = [draft or not g.draft for g in self.groups]  # groups a hit needs and fills
         bs = self.block_size
         candidates = (len(tokens) - self.lookahead) // bs  # blocks whose lookahead is committed
         if len(tokens) - candidates * bs < 1:
@@ -474,7 +473,12 @@ class PagedKVManager:
         hashes = self._hash_chain(tokens, candidates)
         for j in range(candidates, 0, -1):
             h = j * bs
-            if all(hashes[i] in g.pool.cached for g in groups for i in range(self._needed_from(g, h) // bs, j)):
+            if all(
+                hashes[i] in g.pool.cached
+                for g, want in zip(self.groups, wanted)
+                if want
+                for i in range(self._needed_from(g, h) // bs, j)
+            ):
                 break
         else:
             return 0

@@ -581,11 +581,11 @@ class Engine:
             plainly = self._admits_plainly(len(self.running) + 1)
             r.num_computed = self.kv.add(r.id, r.token_ids, draft=not plainly)
             if plainly:
-                r.lag_start, r.drafting_off = r.num_computed, True  # its drafter has no state
+                self._stop_drafting(r, r.num_computed)  # its drafter has no state
             chunk_end = self._chunk_end(r, budget)
             if not self.kv.ensure(r.id, *self._needs(r, chunk_end)):
                 self.kv.free(r.id)
-                r.lag_start, r.drafting_off = None, False
+                self._forget_lag(r)  # decided again when next admitted
                 if not self.running:
                     self.waiting.popleft()
                     self._fail(
@@ -714,6 +714,11 @@ class Engine:
             self._free_slots.append(r.slot)
             r.slot = None
         r.num_pending = r.pending_width = 0
+        self._forget_lag(r)
+
+    @staticmethod
+    def _forget_lag(r: Request) -> None:
+        """``r`` drafts again from its next span: no lag, drafting on."""
         r.lag, r.lag_start, r.drafting_off = [], None, False
 
     # ------------------------------------------------------------------ checks
