@@ -271,14 +271,14 @@ def test_sampled_drafts_match_reference_with_real_acceptance(small_vocab_model, 
 _RowState = mtp_module._RowState
 
 
-def _drop_tail(next_start, tail_len):
+def _drop_tail(next_start, tail_len, deferred=None):
     """No cached tail: re-prefill r is always 0."""
-    return _RowState(next_start, 0)
+    return _RowState(next_start, 0, deferred)
 
 
-def _short_tail(next_start, tail_len):
+def _short_tail(next_start, tail_len, deferred=None):
     """One cached position too few: r is clamped to P - 2."""
-    return _RowState(next_start, max(0, tail_len - 1))
+    return _RowState(next_start, max(0, tail_len - 1), deferred)
 
 
 @pytest.mark.parametrize("breakage", [_drop_tail, _short_tail])

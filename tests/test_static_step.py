@@ -24,6 +24,7 @@ from helpers.engine import (  # noqa: F401
     outputs,
     spec_model,
 )
+from inkfw.errors import ConfigError
 from inkfw.models.inkling.layers import MoE
 from inkfw.profiling import count_host_reads
 from inkfw.speculative.adaptive import AdaptiveK, non_decreasing
@@ -473,13 +474,18 @@ def test_auto_k_lag_catches_up_exactly(model):
     assert catch_up and all(pad is None for pad in catch_up)
 
 
-def test_auto_k_draft_rounds_keep_one_shape_per_bucket_and_k(model, step_calls):
+@pytest.mark.parametrize("defer_limit", [0, 64])
+def test_auto_k_draft_rounds_keep_one_shape_per_bucket_and_k(model, step_calls, defer_limit):
     """k switches between steps (k = 1 best, a probe at k_max = 2 every third round), so a
     draft round follows verify steps of either width. Each static draft round's inputs still
     have one shape per (bucket, K) (block tables aside), which a compiled or captured round
-    needs to replay without a new graph: the verify's hidden rows are padded to k_max + 1."""
+    needs to replay without a new graph: the verify's hidden rows are padded to k_max + 1. With
+    shallow rounds (``defer_limit`` > 0) the k = 1 rounds run depth 0 only and each probe catches
+    depth 1 up in an eager round (spans of any length); with 0 both run all depths, static."""
     prompts, new = prompts_of(62, 2), 16
-    engine, _ = make_engine(model, AUTO, check_drafts=False)  # checking drafts runs rounds eagerly
+    engine, _ = make_engine(  # checking drafts runs rounds eagerly
+        model, [*AUTO, f"drafter.defer_limit={defer_limit}"], check_drafts=False
+    )
     adaptive = engine.adaptive
     assert isinstance(adaptive, AdaptiveK)
     for bucket in (1, 2):
@@ -494,20 +500,22 @@ def test_auto_k_draft_rounds_keep_one_shape_per_bucket_and_k(model, step_calls):
     for fn, args in step_calls:
         if fn.name.startswith("draft-round"):
             shapes.setdefault((fn.name, args[0][0][0]), set()).add(tuple(s for s, _ in args[: fn.tables_from]))
-    assert {name for name, _ in shapes} == {"draft-round-k1", "draft-round-k2"}
+    static = {"draft-round-k1", "draft-round-k2"} if defer_limit == 0 else {"draft-round-k1-shallow"}
+    assert {name for name, _ in shapes} == static
     assert all(len(seen) == 1 for seen in shapes.values()), shapes
 
 
-@pytest.mark.parametrize("probe_due", [True, False])
-def test_auto_k_stops_drafting_for_good(model, monkeypatch, probe_due):
+@pytest.mark.parametrize(("probe_due", "defer_limit"), [(True, 0), (True, 64), (False, 64)])
+def test_auto_k_stops_drafting_for_good(model, monkeypatch, probe_due, defer_limit):
     """k = 0 best and no probes ever run. With a probe due soon (``probe_due``) a prompt is
-    drafted over (its caches filled, no drafts), its lag fills to LAG_LIMIT, then the request
+    drafted over (no drafts; its caches filled, or with shallow rounds every depth deferred
+    until a probe would need it), its lag fills to LAG_LIMIT, then the request
     stops drafting for good; with none due it stops at its prefill, never drafted over. Either
     way it then decodes plainly (nothing proposed, k = 0 counted, its prefix cache ends where its
     drafter's caches do) and its output equals plain decoding; preemption makes it start over."""
     monkeypatch.setattr("inkfw.speculative.engine.LAG_LIMIT", 3)
     prompts, new = prompts_of(61, 2), 12
-    engine, kv = make_engine(model, AUTO, check_drafts=True)
+    engine, kv = make_engine(model, [*AUTO, f"drafter.defer_limit={defer_limit}"], check_drafts=True)
     adaptive = engine.adaptive
     assert isinstance(adaptive, AdaptiveK)
     for bucket in (1, 2):
@@ -531,7 +539,8 @@ def test_auto_k_stops_drafting_for_good(model, monkeypatch, probe_due):
     while not all(r.drafting_off for r in reqs):
         engine.step()
     assert not any(r.finished for r in reqs) and all(r.lag == [] for r in reqs)
-    drafted_to = [len(p) - 1 if probe_due else 0 for p in prompts]  # where each drafter's caches end
+    # where each drafter's caches end: a K = 0 round over the prompt runs no depth when it may defer them
+    drafted_to = [len(p) - 1 if probe_due and not defer_limit else 0 for p in prompts]
     assert [r.lag_start for r in reqs] == drafted_to
     assert all(drafter.next_start(r.id) is None for r in reqs)  # the drafter forgot them
     assert proposed == ([(r.id, None) for r in reqs] if probe_due else [])  # prompts only, K = 0
@@ -596,6 +605,61 @@ def test_auto_k_admits_plainly_while_nothing_would_draft(model, k0_best):
     engine.generate([again])
     plain, _, _ = generate(model, NO_DRAFTER, [prompt], 8, check_drafts=False)
     assert outputs([r]) == outputs([again]) == outputs(plain)
+
+
+@pytest.mark.parametrize("defer_limit", [0, 10, 64])
+def test_shallow_rounds_defer_deeper_depths_exactly(model, defer_limit):
+    """k switches at random between rounds (0 .. k_max = D = 4, P = 4), over two batches that
+    share prompts (prefix-cache hits). A round with k < P runs depths 0 .. k-1 only (shallow)
+    and the deeper depths run over the skipped positions in one span at the first round that
+    needs them (k grew) or when the deferred positions would pass ``defer_limit`` (0: every
+    round runs all P depths). check_drafts compares every draft with the uncached reference
+    (DraftCheckError otherwise), so drafts right after a catch-up and drafts that read
+    prefix-cached draft blocks are exact too; outputs equal plain decoding, the pool ends whole."""
+    engine, kv = make_engine(
+        model, ["drafter=mtp", "mtp.depths=4", "spec.num_tokens=auto", f"drafter.defer_limit={defer_limit}"]
+    )
+    drafter = parts(engine)[1]
+    assert drafter.lookahead == 4 and drafter.defer_limit == defer_limit
+    rng = random.Random(defer_limit)
+    engine._round_k = lambda bucket: rng.choice([0, 1, 1, 2, 2, 3, 4])  # type: ignore[method-assign]
+    rounds = []  # per drafting round: (k, depths run, rows whose deferred positions it ran over)
+    propose, run_round = drafter.propose, drafter.round
+
+    def recording(spans, kv, run, keep_logits=False, pad_to=None, num_tokens=None):
+        behind = [drafter.stale_from(s.request.id) is not None for s in spans]
+        out = propose(spans, kv, run, keep_logits=keep_logits, pad_to=pad_to, num_tokens=num_tokens)
+        caught_up = sum(b and drafter.stale_from(s.request.id) is None for b, s in zip(behind, spans))
+        rounds[-1] += (caught_up,)
+        return out
+
+    def counting(kv, K, depths_run, chooser, *args):
+        rounds.append((K, depths_run))
+        return run_round(kv, K, depths_run, chooser, *args)
+
+    drafter.propose, drafter.round = recording, counting  # type: ignore[method-assign]
+    prompts = prompts_of(64, 3, lo=6, hi=20)
+    reqs = []
+    for batch in (prompts, prompts[:2]):  # the second batch hits the first one's prefix blocks
+        reqs += engine.generate([engine.add_request(p, max_new_tokens=24) for p in batch])
+    plain, _, _ = generate(model, NO_DRAFTER, prompts + prompts[:2], 24, check_drafts=False)
+    assert outputs(reqs) == outputs(plain) and all(r.finish_reason == "length" for r in reqs)
+    assert engine.metrics.num_draft_tokens > 50 and kv.is_whole()
+    shallow = [(k, run) for k, run, _ in rounds if run < 4]
+    catch_ups = [k for k, run, caught in rounds if caught]
+    if defer_limit == 0:
+        assert not shallow and not catch_ups
+        return
+    assert shallow and all(run == k for k, run in shallow)  # only the depths that draft
+    assert any(k > 0 for k, _ in shallow)
+    assert catch_ups and all(run == 4 for _, run, caught in rounds if caught)  # ... then all P at once
+    if defer_limit == 10:  # the limit forced catch-ups at k that needed no deeper depth
+        assert any(k < 4 for k in catch_ups)
+
+
+def test_defer_limit_must_be_a_count(model):
+    with pytest.raises(ConfigError, match="drafter.defer_limit must be an integer >= 0"):
+        make_engine(model, ["drafter=mtp", "mtp.depths=2", "drafter.defer_limit=-1"])
 
 
 # --------------------------------------------------------------------------- 6. warm-up

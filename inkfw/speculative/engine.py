@@ -425,6 +425,8 @@ class Engine:
             if r.finished:
                 continue
             done = r.num_computed if r.lag_start is None else r.lag_start  # the drafter's caches end here
+            stale = self.drafter.stale_from(r.id)  # ... or a deeper depth's, after shallow rounds
+            done = done if stale is None else min(done, stale)
             final = len(r.token_ids) - lookahead
             self.kv.finalize(r.id, r.token_ids, min(r.num_computed, final), min(done, final))
             read_from = r.num_computed if r.drafting_off else done  # what the next forwards read
@@ -702,9 +704,11 @@ class Engine:
 
     def _stop_drafting(self, r: Request, start: int) -> None:
         """``r`` decodes plainly from now on; its drafter's caches end at ``r.lag_start`` (its lag's
-        start, else ``start``: the span it was not drafted over)."""
-        if r.lag_start is None:
-            r.lag_start = start
+        start, else ``start``: the span it was not drafted over; earlier where a shallow round left
+        a deeper depth's caches behind)."""
+        end = start if r.lag_start is None else r.lag_start
+        stale = self.drafter.stale_from(r.id)
+        r.lag_start = end if stale is None else min(end, stale)
         r.lag, r.drafting_off = [], True
         self.drafter.release(r.id)
 

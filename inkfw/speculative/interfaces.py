@@ -240,6 +240,8 @@ class Drafter(Protocol):
 
     def release(self, rid: Hashable) -> None: ...
 
+    def stale_from(self, rid: Hashable) -> int | None: ...  # first position a draft cache may still lack; None: none
+
 
 @dataclass
 class Verdict:

@@ -248,6 +248,9 @@ class OracleDrafter:
     def release(self, rid) -> None:
         pass
 
+    def stale_from(self, rid) -> None:
+        return None  # no cache
+
 
 class FixedTokenSampler(Sampler):
     """Sampler test double: every sampling request's processed distribution is one-hot at

@@ -10,6 +10,10 @@ position; decode steps s = P .. k-1 (only when k > D) run depth s % D on one new
 advancing by one. A decode step sees its depth's state at the span and at the positions that
 depth itself wrote this round; the positions it skipped are invalidated (absent), so drafts
 are a pure function of the committed tokens and the earlier drafts (``check_drafts``).
+
+A round that wants fewer drafts than P (adaptive k) is *shallow* when it can be: it runs only
+depths ``0 .. k-1`` and keeps the span's target hidden states, so the deeper depths run over
+those positions later, in one span, at the first round that needs them (docs/design.md §2).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from inkfw.errors import ConfigError
 from inkfw.kernels import Kernels
 from inkfw.speculative.draft_view import DraftView
 from inkfw.speculative.interfaces import Drafts, DraftSpan, ForwardRunner, KVManager, TargetModel, TokenSampler
@@ -27,11 +32,24 @@ from inkfw.speculative.observers import run_directly
 from inkfw.speculative.sampling import Sampler
 from inkfw.speculative.step import StepBuffers, StepFunction, StepModes, table_width
 
+DEFER_LIMIT = 64  # positions a request's deeper depths may fall behind in shallow rounds
+
+
+@dataclass
+class _Deferred:
+    """Positions ``first .. next_start - 1`` of a request over which depths ``>= level`` have not
+    run (shallow rounds): their target hidden states, in order, for the span that runs them."""
+
+    first: int
+    level: int
+    rows: list[torch.Tensor]  # [n_i, H] each, positions first .. in order
+
 
 @dataclass
 class _RowState:
     next_start: int  # first position not drafted over yet
     tail_len: int  # valid rows at the end of the request's tail (<= P - 1)
+    deferred: _Deferred | None = None  # positions the deeper depths have not run over yet
 
 
 class MtpDrafter(StepModes):
@@ -51,6 +69,7 @@ class MtpDrafter(StepModes):
         num_depths: int | None = None,
         sampler: TokenSampler | None = None,
         kernels: Kernels | None = None,
+        defer_limit: int = DEFER_LIMIT,
         **_: object,
     ):
         view = DraftView.from_config(
@@ -64,6 +83,11 @@ class MtpDrafter(StepModes):
         self.lookahead = view.prefill_steps  # P
         self.sampler = sampler or Sampler()
         self.kernels = kernels or Kernels("torch")
+        if not isinstance(defer_limit, int) or isinstance(defer_limit, bool) or defer_limit < 0:
+            raise ConfigError(
+                f"drafter.defer_limit must be an integer >= 0 (0: every round runs all P depths), got {defer_limit!r}."
+            )
+        self.defer_limit = defer_limit
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self._rows: dict[Hashable, _RowState] = {}
@@ -88,6 +112,19 @@ class MtpDrafter(StepModes):
         state = self._rows.get(rid)
         return None if state is None else state.next_start
 
+    def stale_from(self, rid: Hashable) -> int | None:
+        """First position from which a depth's cache of ``rid`` may not be whole yet (shallow
+        rounds deferred it); None: every depth is whole up to :meth:`next_start`."""
+        state = self._rows.get(rid)
+        return None if state is None or state.deferred is None else state.deferred.first
+
+    def _can_defer(self, state: _RowState, new_positions: int, level: int) -> bool:
+        """Whether a row may skip depths ``>= level`` this round: its deferred positions (counting
+        the tail it would keep) stay within ``defer_limit``, and no depth below ``level`` lags."""
+        d = state.deferred
+        behind = state.tail_len if d is None else state.next_start - d.first
+        return (d is None or d.level >= level) and behind + new_positions <= self.defer_limit
+
     # ------------------------------------------------------------------ a round
     @torch.no_grad()
     def propose(
@@ -102,37 +139,61 @@ class MtpDrafter(StepModes):
         """Drafts for ``spans`` (docs/design.md §2): ``num_tokens`` (default k) per row at most,
         in a batch padded to ``pad_to`` rows (padding rows compute and write nothing that is
         read). ``pad_to`` also marks the round static (spans of one verify step each): only
-        those run compiled or as CUDA graphs; others (after prefill chunks) run eagerly.
-        Returns the first ``len(spans)`` rows."""
-        P, D = self.lookahead, self.num_depths
+        those run compiled or as CUDA graphs; others (after prefill chunks, catch-ups of deferred
+        depths) run eagerly. A round with ``num_tokens`` < P runs depths ``0 .. num_tokens - 1``
+        only when every row can defer the others (:meth:`_can_defer`); otherwise all P depths run
+        and rows with deferred positions catch up. Returns the first ``len(spans)`` rows."""
+        P = self.lookahead
         K = self.num_tokens if num_tokens is None else num_tokens
-        B = max(len(spans), pad_to or 0)
         self.reserve(max((s.slot for s in spans), default=0) + 1)
         scratch = self.tail.shape[0] - 1
+        states = [self._rows.get(s.request.id) or _RowState(s.start, 0) for s in spans]
+        # a shallow round runs depths 0 .. K-1 only; otherwise every row's deferred positions are
+        # run over by all P depths now (docs/design.md §2)
+        shallow = K < P and all(self._can_defer(st, s.new_positions, K) for st, s in zip(states, spans))
+        depths_run = K if shallow else P
+        if not shallow and any(st.deferred is not None for st in states):
+            pad_to = None  # a catch-up: spans of any length, an eager round
+        B = max(len(spans), pad_to or 0)
 
         # ---- host: each row's span (re-prefilled positions + the new ones), read from host values
         slots, starts, lengths, takes, wants, draft_at, rids = [], [], [], [], [], [], []
-        for span in spans:
+        hiddens: list[torch.Tensor] = []  # [>= length - take, H] per row: the span's rows past its tail ones
+        for span, state in zip(spans, states):
             rid = span.request.id
-            state = self._rows.get(rid) or _RowState(span.start, 0)
             assert span.start == state.next_start, (
                 f"request {rid}: span starts at {span.start}, drafter expected {state.next_start}"
             )
-            n = span.new_positions
-            r = 0 if span.num_accepted is None else min(max(0, P - 1 - span.num_accepted), state.tail_len)
-            self._rows[rid] = _RowState(span.start + n, min(P - 1, state.tail_len + n))
+            assert span.hidden is not None
+            n, deferred = span.new_positions, state.deferred
+            if deferred is not None and not shallow:  # one span from the deferred positions, no re-prefill
+                hidden = torch.cat([*deferred.rows, span.hidden[:n]])  # [deferred + n, H]
+                start, r = deferred.first, 0
+                self._rows[rid] = _RowState(span.start + n, min(P - 1, len(hidden)))
+            else:
+                hidden = span.hidden
+                r = 0 if span.num_accepted is None else min(max(0, P - 1 - span.num_accepted), state.tail_len)
+                start = span.start - r
+                if shallow:  # keep what the deeper depths will need: the tail's rows, then the new ones
+                    if deferred is None:
+                        tail = self.tail[span.slot, P - 1 - state.tail_len :]  # positions start - tail_len ..
+                        deferred = _Deferred(span.start - state.tail_len, K, [tail.clone()])
+                    deferred.level = K
+                    deferred.rows.append(span.hidden[:n].clone())  # graph outputs get reused
+                self._rows[rid] = _RowState(span.start + n, min(P - 1, state.tail_len + n), deferred)
             slots.append(span.slot)
-            starts.append(span.start - r)
-            lengths.append(r + n)
+            starts.append(start)
+            lengths.append(span.start + n - start)
             takes.append(r)
+            hiddens.append(hidden)
             wants.append(min(span.num_drafts, K))
-            draft_at.append(len(span.request.token_ids) - (span.start - r) - 1)  # ext index of d_1 = x[L]
+            draft_at.append(len(span.request.token_ids) - start - 1)  # ext index of d_1 = x[L]
             rids.append(rid)
         # static batches pad spans and hidden rows to k + 1 >= any span after a verify step (docs/design.md
         # §2): one shape per (bucket, K), whatever k the verify before ran at (adaptive k)
         static_width = 0 if pad_to is None else self.num_tokens + 1
         T = max(*lengths, static_width)
-        Th = max(static_width, *(len(s.hidden) for s in spans if s.hidden is not None))
+        Th = max(static_width, *(len(h) for h in hiddens))
         E = T + max(K, P)  # ext width: depth s reads ext[:, s : s + T], drafts land up to T + K
         ext = []
         for span, start in zip(spans, starts):
@@ -148,8 +209,7 @@ class MtpDrafter(StepModes):
         ext += [[0] * E] * pad
         ends = [s + n - 1 for s, n in zip(starts, lengths)]
         hidden = torch.stack(
-            [F.pad(s.hidden, (0, 0, 0, Th - len(s.hidden))) for s in spans if s.hidden is not None]
-            + [spans[0].hidden.new_zeros(Th, spans[0].hidden.shape[-1])] * pad  # type: ignore[union-attr]
+            [F.pad(h, (0, 0, 0, Th - len(h))) for h in hiddens] + [hiddens[0].new_zeros(Th, hiddens[0].shape[-1])] * pad
         )  # [B, Th, H]
 
         stage = self.buffers.stage
@@ -169,7 +229,7 @@ class MtpDrafter(StepModes):
         ]
         table_args = []
         last_end = [e + 1 + max(0, w - P) if n else 0 for e, n, w in zip(ends, lengths, wants)]
-        for d in range(D):
+        for d in range(depths_run):  # K > P: depths_run = P = D
             tables = kv.step_tables(
                 kv.group_indices(d), rids + [None] * pad, starts, last_end, width=table_width, stage=stage
             )
@@ -180,17 +240,17 @@ class MtpDrafter(StepModes):
         params = [s.request.sampling for s in spans]
         greedy = all(p.greedy for p in params)
         if greedy and not keep_logits and pad_to is not None:  # a static round: compiled / graph-captured
-            tokens = run(self._round_function(kv, K, len(table_args)), *args)
+            tokens = run(self._round_function(kv, K, depths_run, len(table_args)), *args)
             return Drafts(
                 tokens[: len(spans)], torch.tensor(wants[: len(spans)], device=self.device), counts=wants[: len(spans)]
             )
         if greedy and not keep_logits:
-            tokens = run(self.round, kv, K, None, *args)
+            tokens = run(self.round, kv, K, depths_run, None, *args)
             return Drafts(
                 tokens[: len(spans)], torch.tensor(wants[: len(spans)], device=self.device), counts=wants[: len(spans)]
             )
         chooser = _SampledChooser(self.sampler, spans, wants, keep_logits, pad)
-        tokens = run(self.round, kv, K, chooser, *args)
+        tokens = run(self.round, kv, K, depths_run, chooser, *args)
         probs = chooser.stacked_probs(tokens) if not greedy else None
         logits = chooser.stacked_logits() if keep_logits else None
         n = len(spans)
@@ -202,19 +262,23 @@ class MtpDrafter(StepModes):
             counts=wants[:n],
         )
 
-    def _round_function(self, kv: KVManager, K: int, num_table_args: int) -> StepFunction:
+    def _round_function(self, kv: KVManager, K: int, depths_run: int, num_table_args: int) -> StepFunction:
         def greedy_round(*args: torch.Tensor) -> torch.Tensor:
-            return self.round(kv, K, None, *args)
+            return self.round(kv, K, depths_run, None, *args)
 
-        return self._step_function((K, num_table_args), greedy_round, f"draft-round-k{K}", tables_from=10)
+        name = f"draft-round-k{K}" + ("" if depths_run == self.lookahead else "-shallow")
+        return self._step_function((K, depths_run, num_table_args), greedy_round, name, tables_from=10)
 
-    def round(self, kv: KVManager, K: int, chooser: _SampledChooser | None, *args: torch.Tensor) -> torch.Tensor:
-        """One drafting round over staged tensors (see :meth:`propose`); tensor ops only when
-        ``chooser`` is None (greedy). Returns draft tokens [B, K]."""
-        model, P, D = self.model, self.lookahead, self.num_depths
+    def round(
+        self, kv: KVManager, K: int, depths_run: int, chooser: _SampledChooser | None, *args: torch.Tensor
+    ) -> torch.Tensor:
+        """One drafting round over staged tensors (see :meth:`propose`): prefill steps of depths
+        ``0 .. depths_run - 1`` (P, or K in a shallow round), then decode steps up to K; tensor
+        ops only when ``chooser`` is None (greedy). Returns draft tokens [B, K]."""
+        model, P, D = self.model, depths_run, self.num_depths
         hidden, slots, starts, takes, lengths, decode_positions, decode_valid, ext, draft_at, wants = args[:10]
         tables = args[10:]
-        B, T = ext.shape[0], ext.shape[1] - max(K, P)  # the span width (ext: T + max(K, P) tokens)
+        B, T = ext.shape[0], ext.shape[1] - max(K, self.lookahead)  # the span width (ext: T + max(K, lookahead))
         device = hidden.device
         rows = torch.arange(B, device=device)
         # the span's hidden rows (re-prefilled tail rows, then the new ones) and the slot's new tail
@@ -236,7 +300,8 @@ class MtpDrafter(StepModes):
             at = (draft_at + step).clamp(max=ext.shape[1] - 1)
             ext[rows, at] = torch.where(wants > step, tok, ext[rows, at])
 
-        # ---- prefill steps: depth s over the whole span (every round, so each depth's cache stays whole)
+        # ---- prefill steps: depth s over the whole span (every round, so each depth's cache stays whole;
+        # a shallow round's deeper depths run over its positions in a later round's span)
         for s in range(P):
             cache = kv.caches_from(depth_tables(s), positions, valid, draft_depth=s)[0]
             g = model.mtp_step(s, g, ext[:, s : s + T], positions, cache, depth_input)  # [B, T, H]

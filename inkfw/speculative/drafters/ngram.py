@@ -58,3 +58,6 @@ class NgramDrafter:
 
     def release(self, rid: Hashable) -> None:
         pass
+
+    def stale_from(self, rid: Hashable) -> None:
+        return None  # no cache

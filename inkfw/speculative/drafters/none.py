@@ -32,3 +32,6 @@ class NoDrafter:
 
     def release(self, rid: Hashable) -> None:
         pass
+
+    def stale_from(self, rid: Hashable) -> None:
+        return None  # no cache
