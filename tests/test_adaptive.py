@@ -9,7 +9,7 @@ import random
 import pytest
 
 from inkfw.errors import ConfigError
-from inkfw.speculative.adaptive import AdaptiveK, non_decreasing
+from inkfw.speculative.adaptive import AdaptiveK, fit_step_costs, non_decreasing
 
 
 def draw_steps(rng: random.Random, rates: list[float], k: int, batch: int) -> tuple[list[int], list[int]]:
@@ -135,6 +135,34 @@ def test_noisy_costs_are_kept_non_decreasing():
     adaptive.set_costs(1, measured)
     assert adaptive.costs[1] == pytest.approx(smooth)
     assert adaptive.best_k(1) == 5
+
+
+def test_warmup_costs_lie_on_a_line_through_every_sample():
+    """k = 0 keeps the median of its own steps; k >= 1 get the Theil-Sen line through all their
+    samples, so a slow window (every sample of k = 3 doubled) and a quiet one (k = 7 at 0.7x)
+    barely move it, where medians per k made k = 7 look cheaper than k = 6."""
+    rng = random.Random(3)
+    true = [20.0] + [24.0 + 4.0 * k for k in range(1, 9)]  # ms: a plain step, then a + b k
+    samples = {k: [c * rng.uniform(0.95, 1.05) for _ in range(3)] for k, c in enumerate(true)}
+    samples[3] = [2 * s for s in samples[3]]
+    samples[7] = [0.7 * s for s in samples[7]]
+    costs = fit_step_costs(samples, 8)
+    assert sorted(costs) == list(range(9)) and costs[0] == sorted(samples[0])[1]
+    points = [(k, s) for k in range(1, 9) for s in samples[k]]
+    slopes = sorted((s2 - s1) / (k2 - k1) for k1, s1 in points for k2, s2 in points if k2 > k1)
+    b = (slopes[len(slopes) // 2 - 1] + slopes[len(slopes) // 2]) / 2  # an even count: the middle two
+    residuals = sorted(s - b * k for k, s in points)
+    a = (residuals[11] + residuals[12]) / 2  # 24 samples
+    assert [costs[k] for k in range(1, 9)] == pytest.approx([a + b * k for k in range(1, 9)])
+    assert sorted(samples[7])[1] < sorted(samples[6])[1]  # the medians per k fall at k = 7
+    assert all(costs[k + 1] > costs[k] for k in range(1, 8))
+    assert max(abs(costs[k] - true[k]) / true[k] for k in range(1, 9)) < 0.08  # the median of k = 3: 2x
+
+
+def test_warmup_costs_never_fall_with_k_and_need_two_ks_for_a_line():
+    assert fit_step_costs({0: [1.0], 1: [5.0, 5.0], 2: [3.0, 3.0]}, 2) == {0: 1.0, 1: 4.0, 2: 4.0}  # flat
+    assert fit_step_costs({0: [1.0, 3.0, 2.0], 2: [4.0, 6.0, 5.0]}, 2) == {0: 2.0, 2: 5.0}  # medians
+    assert fit_step_costs({1: [2.0], 3: [4.0]}, 4) == pytest.approx({1: 2.0, 2: 3.0, 3: 4.0, 4: 5.0})
 
 
 def test_ties_go_to_the_smaller_k():

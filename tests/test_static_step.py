@@ -27,7 +27,7 @@ from helpers.engine import (  # noqa: F401
 from inkfw.errors import ConfigError
 from inkfw.models.inkling.layers import MoE
 from inkfw.profiling import count_host_reads
-from inkfw.speculative.adaptive import AdaptiveK, non_decreasing
+from inkfw.speculative.adaptive import AdaptiveK, fit_step_costs, non_decreasing
 from inkfw.speculative.drafters.mtp import MtpDrafter
 from inkfw.speculative.engine import Engine, Request
 from inkfw.speculative.reference import reference_draft_logits
@@ -415,7 +415,9 @@ def test_auto_k_equals_plain_and_measures_costs(model):
     engine._measure_step_costs = lambda *args: measured.append(measure(*args)) or measured[-1]  # type: ignore[method-assign]
     assert engine.warmup([1]) > 0
     assert len(measured) == 1 and sorted(measured[0]) == [0, 1, 2]
-    assert adaptive.costs[1] == pytest.approx(non_decreasing([measured[0][k] for k in range(3)]))
+    assert all(len(samples) == 3 for samples in measured[0].values())  # one step per k and round
+    fitted = fit_step_costs(measured[0], 2)
+    assert adaptive.costs[1] == pytest.approx(non_decreasing([fitted[k] for k in range(3)]))
     assert adaptive.has_costs(1) and not adaptive.has_costs(2)
     assert len(adaptive.costs[1]) == 3 and all(c > 0 for c in adaptive.costs[1])
     assert not engine.k_chosen and not adaptive.chosen  # warm-up forces k: no choices recorded

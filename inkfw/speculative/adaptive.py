@@ -11,7 +11,8 @@ pick the k in 0..max_k that maximises expected tokens per second.
 * **Expected tokens** of one request at k: ``E(k) = 1 + sum_{i=1..k} prod_{j<=i} alpha_j``
   (``E(0) = 1``: the bonus token).
 * **Cost.** ``step_s[k]``: seconds of one whole decode step (verify + drafting) at a batch bucket
-  with k drafts, measured at warm-up (:meth:`AdaptiveK.set_costs`) and kept non-decreasing in k. A bucket without measured costs
+  with k drafts, measured at warm-up (:func:`fit_step_costs`: k >= 1 on a robust line through
+  every timed step) and kept non-decreasing in k (:meth:`AdaptiveK.set_costs`). A bucket without measured costs
   borrows those of the nearest measured bucket; with none measured, it uses the model
   ``step_s[k] = 1 + fallback_draft_cost * k`` (relative units; drafting and the wider verify each
   cost a fixed fraction of a plain step).
@@ -35,8 +36,9 @@ pick the k in 0..max_k that maximises expected tokens per second.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from inkfw.errors import ConfigError
@@ -54,6 +56,28 @@ def non_decreasing(values: Sequence[float]) -> list[float]:
             blocks[-1][0] += total
             blocks[-1][1] += count
     return [total / count for total, count in blocks for _ in range(int(count))]
+
+
+def fit_step_costs(samples: Mapping[int, Sequence[float]], max_k: int) -> dict[int, float]:
+    """Step costs for k = 0 .. max_k from warm-up timings ``samples`` (k -> seconds of single
+    steps). k = 0, a plain step with no drafting round, is the median of its own samples. k >= 1
+    lie on a line ``a + b k`` through the samples of every k >= 1 (Theil-Sen: ``b`` the median of
+    the slopes between samples of different k, at least 0 since more drafts never cost less
+    work; ``a`` the median of ``s - b k``). A step at k drafts k tokens (shallow rounds,
+    docs/design.md §2) and verifies k + 1, so its cost grows about linearly in k; on a shared
+    machine such a line is much steadier than a median per k, whose noise (up to 30 % per k
+    here) could make a large k look as cheap as a small one, and a window of load that slows
+    every sample of one k barely moves it. With samples at fewer than two k >= 1, those k get
+    their median. k without samples are left out."""
+    costs = {0: statistics.median(samples[0])} if samples.get(0) else {}
+    points = [(k, s) for k, ss in samples.items() if 1 <= k <= max_k for s in ss]
+    ks = {k for k, _ in points}
+    if len(ks) < 2:
+        return costs | {k: statistics.median(samples[k]) for k in ks}
+    slopes = [(s2 - s1) / (k2 - k1) for i, (k1, s1) in enumerate(points) for k2, s2 in points[i + 1 :] if k2 != k1]
+    slope = max(0.0, statistics.median(slopes))
+    base = statistics.median(s - slope * k for k, s in points)
+    return costs | {k: base + slope * k for k in range(1, max_k + 1)}
 
 
 class AdaptiveK:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import collections
 import itertools
 import math
-import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -32,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from inkfw.errors import ConfigError
-from inkfw.speculative.adaptive import AdaptiveK
+from inkfw.speculative.adaptive import AdaptiveK, fit_step_costs
 from inkfw.speculative.interfaces import (
     Drafter,
     Drafts,
@@ -315,7 +314,7 @@ class Engine:
                         self.abort(r)
                     fastest[k] = min(seconds[3:] or seconds)
                 if self.adaptive is not None:
-                    measured = self._measure_step_costs(rows, ks, cost_rounds, gen)
+                    measured = fit_step_costs(self._measure_step_costs(rows, ks, cost_rounds, gen), k_max)
                     self.adaptive.set_costs(bucket, [measured.get(k, fastest[k]) for k in ks])
         finally:
             self._forced_k = None
@@ -324,14 +323,16 @@ class Engine:
         self.warmup_s += seconds
         return seconds
 
-    def _measure_step_costs(self, rows: int, ks: Sequence[int], rounds: int, gen: torch.Generator) -> dict[int, float]:
-        """Seconds of one decode step at each k in ``ks`` for ``rows`` requests, the median of
-        ``rounds`` rounds. One set of requests with a realistic context (128 prompt tokens, at
-        most a quarter of ``max_model_len``) steps through every k in each round, forward and
-        backward in turn, so load that comes and goes on a shared machine weighs on every k
-        alike; each k runs two steps and the second, which verifies k drafts and drafts k, is
-        timed. Rounds cut short by the requests' length leave fewer samples (none: k is
-        missing from the result)."""
+    def _measure_step_costs(
+        self, rows: int, ks: Sequence[int], rounds: int, gen: torch.Generator
+    ) -> dict[int, list[float]]:
+        """Seconds of single decode steps at each k in ``ks`` for ``rows`` requests, one sample per
+        round (:func:`fit_step_costs` makes costs of them). One set of requests with a realistic
+        context (128 prompt tokens, at most a quarter of ``max_model_len``) steps through every k
+        in each round, forward and backward in turn, so load that comes and goes on a shared
+        machine weighs on every k alike; each k runs two steps and the second, which verifies k
+        drafts and drafts k (a shallow round, whatever k ran before), is timed. Rounds cut
+        short by the requests' length leave fewer samples (none: k is missing from the result)."""
         prompt_len = max(8, min(128, self.max_model_len // 4))
         prompts = torch.randint(3, self.vocab_size, (rows, prompt_len), generator=gen).tolist()
         requests = [self.add_request(p, max_new_tokens=self.max_model_len - prompt_len - 1) for p in prompts]
@@ -357,7 +358,7 @@ class Engine:
             self._forced_k = forced
             for r in requests:
                 self.abort(r)
-        return {k: statistics.median(v) for k, v in samples.items()}
+        return dict(samples)
 
     # ---------------------------------------------------------------------- step
     def step(self) -> list[Request]:
