@@ -221,6 +221,18 @@ def test_probes_are_spaced_by_their_cost():
     assert adaptive.probes == 6
 
 
+def test_probes_at_best_k_zero_are_priced_for_one_drafting_row():
+    """At best k = 0 one request of the bucket drafts for a probe, so at bucket 16 the probe's
+    step (4.5 plain steps) buys E(6) = 1.98 tokens for one row and 1 for the other 15: 1.06 per
+    row, 3.44 steps more than plain, a probe every ceil(3.44 / 0.05) = 69 steps (bucket 1: 51)."""
+    adaptive = AdaptiveK(max_k=6, prior_acceptance=0.5, probe_every=5, probe_budget=0.05, max_backoff=0)
+    for bucket in (1, 16):
+        adaptive.set_costs(bucket, [1.0] + [4.5] * 6)
+    assert adaptive.best_k(16) == 0
+    assert adaptive.probe_interval(1, 0) == 51
+    assert adaptive.probe_interval(16, 0) == math.ceil((4.5 - (1 + 0.984375 / 16)) / 0.05) == 69
+
+
 def test_probes_back_off_while_the_best_k_stays():
     """Each probe after which the best k is unchanged doubles the interval (up to 2**max_backoff);
     a change of the best k resets it."""

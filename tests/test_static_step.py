@@ -509,9 +509,10 @@ def test_auto_k_draft_rounds_keep_one_shape_per_bucket_and_k(model, step_calls, 
 
 @pytest.mark.parametrize(("probe_due", "defer_limit"), [(True, 0), (True, 64), (False, 64)])
 def test_auto_k_stops_drafting_for_good(model, monkeypatch, probe_due, defer_limit):
-    """k = 0 best and no probes ever run. With a probe due soon (``probe_due``) a prompt is
-    drafted over (no drafts; its caches filled, or with shallow rounds every depth deferred
-    until a probe would need it), its lag fills to LAG_LIMIT, then the request
+    """k = 0 best and no probes ever run. With a probe due soon (``probe_due``) the first
+    request's prompt is drafted over (no drafts; its caches filled, or with shallow rounds every
+    depth deferred until a probe would need it; the second is admitted plainly: one drafting
+    request is enough for a probe), its lag fills to LAG_LIMIT, then the request
     stops drafting for good; with none due it stops at its prefill, never drafted over. Either
     way it then decodes plainly (nothing proposed, k = 0 counted, its prefix cache ends where its
     drafter's caches do) and its output equals plain decoding; preemption makes it start over."""
@@ -537,15 +538,15 @@ def test_auto_k_stops_drafting_for_good(model, monkeypatch, probe_due, defer_lim
     drafter.propose = recording  # type: ignore[method-assign]
     reqs = [engine.add_request(p, max_new_tokens=new) for p in prompts]
     engine.step()  # prefill
-    assert all(r.drafting_off for r in reqs) != probe_due
+    assert [r.drafting_off for r in reqs] == [not probe_due, True]
     while not all(r.drafting_off for r in reqs):
         engine.step()
     assert not any(r.finished for r in reqs) and all(r.lag == [] for r in reqs)
     # where each drafter's caches end: a K = 0 round over the prompt runs no depth when it may defer them
-    drafted_to = [len(p) - 1 if probe_due and not defer_limit else 0 for p in prompts]
+    drafted_to = [len(prompts[0]) - 1 if probe_due and not defer_limit else 0, 0]
     assert [r.lag_start for r in reqs] == drafted_to
     assert all(drafter.next_start(r.id) is None for r in reqs)  # the drafter forgot them
-    assert proposed == ([(r.id, None) for r in reqs] if probe_due else [])  # prompts only, K = 0
+    assert proposed == ([(reqs[0].id, None)] if probe_due else [])  # a prompt only, K = 0
     steps, plain_steps = engine.times.num_steps, engine.k_chosen[0]
 
     def draft_blocks():
@@ -563,7 +564,7 @@ def test_auto_k_stops_drafting_for_good(model, monkeypatch, probe_due, defer_lim
     while not all(r.finished for r in reqs):
         engine.step()
     assert reqs[0].num_preemptions == 1 and engine.times.num_steps > steps + 1
-    assert proposed[2:] == ([(reqs[0].id, None)] if probe_due else [])  # its re-prefill started over
+    assert proposed[1:] == ([(reqs[0].id, None)] if probe_due else [])  # its re-prefill started over
     plain, _, _ = generate(model, NO_DRAFTER, prompts, new, check_drafts=False)
     assert outputs(reqs) == outputs(plain)
     assert engine.metrics.num_draft_tokens == 0
@@ -609,13 +610,42 @@ def test_auto_k_admits_plainly_while_nothing_would_draft(model, k0_best):
     assert outputs([r]) == outputs([again]) == outputs(plain)
 
 
+def test_auto_k_at_zero_lets_one_request_draft_for_a_probe(model, monkeypatch):
+    """k = 0 best at bucket 4 and a probe due soon: of 4 requests admitted together only the first
+    drafts (its prompt drafted over, its lag caught up by the probe), the others decode plainly
+    from admission, so the probe costs one request's passes. Outputs equal plain decoding."""
+    engine, _ = make_engine(model, ["drafter=mtp", "mtp.depths=2", "spec.num_tokens=auto"])
+    adaptive = engine.adaptive
+    assert isinstance(adaptive, AdaptiveK)
+    adaptive.set_costs(4, [1.0, 100.0, 100.0])
+    adaptive.probe_every, adaptive.probe_budget, adaptive.max_backoff = 3, 0.0, 0  # a probe every 3rd step
+    proposed = []  # request ids drafted over, per round
+    drafter = parts(engine)[1]
+    propose = drafter.propose
+
+    def recording(spans, *args, **kwargs):
+        proposed.append({s.request.id for s in spans})
+        return propose(spans, *args, **kwargs)
+
+    drafter.propose = recording  # type: ignore[method-assign]
+    prompts = prompts_of(65, 4)
+    reqs = [engine.add_request(p, max_new_tokens=12) for p in prompts]
+    engine.step()
+    assert [r.drafting_off for r in reqs] == [False, True, True, True]
+    engine.generate(reqs)
+    assert proposed and set().union(*proposed) == {reqs[0].id}
+    assert adaptive.probes >= 1 and engine.metrics.num_draft_tokens > 0  # the probes drafted for it
+    plain, _, _ = generate(model, NO_DRAFTER, prompts, 12, check_drafts=False)
+    assert outputs(reqs) == outputs(plain)
+
+
 @pytest.mark.parametrize("defer_limit", [0, 10, 64])
 def test_shallow_rounds_defer_deeper_depths_exactly(model, defer_limit):
     """k switches at random between rounds (0 .. k_max = D = 4, P = 4), over two batches that
-    share prompts (prefix-cache hits). A round with k < P runs depths 0 .. k-1 only (shallow)
-    and the deeper depths run over the skipped positions in one span at the first round that
-    needs them (k grew) or when the deferred positions would pass ``defer_limit`` (0: every
-    round runs all P depths). check_drafts compares every draft with the uncached reference
+    share prompts (prefix-cache hits). A round with k < P runs depths 0 .. k-1 only (shallow):
+    a row whose deferred positions some of those depths have not run over re-spans them with
+    those depths, and every depth runs over them in one span at a round with k = P or when the
+    deferred positions would pass ``defer_limit`` (0: every round runs all P depths). check_drafts compares every draft with the uncached reference
     (DraftCheckError otherwise), so drafts right after a catch-up and drafts that read
     prefix-cached draft blocks are exact too; outputs equal plain decoding, the pool ends whole."""
     engine, kv = make_engine(
@@ -625,14 +655,17 @@ def test_shallow_rounds_defer_deeper_depths_exactly(model, defer_limit):
     assert drafter.lookahead == 4 and drafter.defer_limit == defer_limit
     rng = random.Random(defer_limit)
     engine._round_k = lambda bucket: rng.choice([0, 1, 1, 2, 2, 3, 4])  # type: ignore[method-assign]
-    rounds = []  # per drafting round: (k, depths run, rows whose deferred positions it ran over)
+    rounds = []  # per drafting round: (k, depths run, rows caught up, rows re-spanned by a shallow round)
     propose, run_round = drafter.propose, drafter.round
 
     def recording(spans, kv, run, keep_logits=False, pad_to=None, num_tokens=None):
-        behind = [drafter.stale_from(s.request.id) is not None for s in spans]
+        states = [drafter._rows.get(s.request.id) for s in spans]
+        levels = [None if st is None or st.deferred is None else st.deferred.level for st in states]
         out = propose(spans, kv, run, keep_logits=keep_logits, pad_to=pad_to, num_tokens=num_tokens)
-        caught_up = sum(b and drafter.stale_from(s.request.id) is None for b, s in zip(behind, spans))
-        rounds[-1] += (caught_up,)
+        after = [drafter.stale_from(s.request.id) for s in spans]
+        caught_up = sum(lv is not None and a is None for lv, a in zip(levels, after))
+        respanned = sum(lv is not None and lv < num_tokens and a is not None for lv, a in zip(levels, after))
+        rounds[-1] += (caught_up, respanned)
         return out
 
     def counting(kv, K, depths_run, chooser, *args):
@@ -647,14 +680,16 @@ def test_shallow_rounds_defer_deeper_depths_exactly(model, defer_limit):
     plain, _, _ = generate(model, NO_DRAFTER, prompts + prompts[:2], 24, check_drafts=False)
     assert outputs(reqs) == outputs(plain) and all(r.finish_reason == "length" for r in reqs)
     assert engine.metrics.num_draft_tokens > 50 and kv.is_whole()
-    shallow = [(k, run) for k, run, _ in rounds if run < 4]
-    catch_ups = [k for k, run, caught in rounds if caught]
+    shallow = [(k, run) for k, run, _, _ in rounds if run < 4]
+    catch_ups = [k for k, run, caught, _ in rounds if caught]
     if defer_limit == 0:
         assert not shallow and not catch_ups
         return
     assert shallow and all(run == k for k, run in shallow)  # only the depths that draft
     assert any(k > 0 for k, _ in shallow)
-    assert catch_ups and all(run == 4 for _, run, caught in rounds if caught)  # ... then all P at once
+    assert catch_ups and all(run == 4 for _, run, caught, _ in rounds if caught)  # ... then all P at once
+    # a larger k below P re-spans the deferred positions with its own depths, the deeper ones still wait
+    assert any(respanned and run < 4 for _, run, _, respanned in rounds)
     if defer_limit == 10:  # the limit forced catch-ups at k that needed no deeper depth
         assert any(k < 4 for k in catch_ups)
 

@@ -25,6 +25,8 @@ pick the k in 0..max_k that maximises expected tokens per second.
   ``max(probe_every, ceil((step_s[max_k] / step_s[b] - E(max_k) / E(b)) / probe_budget)) * 2**backoff``
   steps later: a probe's net extra time (its step, less the steps at ``b`` that would emit the
   tokens it is expected to emit), in steps at ``b``, over the share of decode time probes may take.
+  At ``b = 0`` only one request of the bucket drafts for a probe (the engine admits the others
+  plainly), so its tokens are ``1 + (E(max_k) - 1) / bucket`` per row instead of ``E(max_k)``.
   ``backoff`` counts the probes in a row at which the best k was what it had been at the probe
   before (capped at ``max_backoff``; back to 0 when it changed): while nothing changes, probes
   grow rarer. Deterministic; ``probe_every=0`` switches probing off, ``probe_budget=0``
@@ -236,9 +238,11 @@ class AdaptiveK:
         """Steps from a probe at best k ``best`` to the next probe (module doc)."""
         step_s = self.step_costs(bucket)
         # a probe's time beyond what steps at the best k would take for the tokens it is expected
-        # to emit, in steps at the best k
+        # to emit, in steps at the best k; at best k = 0 one request of the bucket drafts for it
+        # (the engine admits the others plainly), so the probe emits E(max_k) for one row only
         expected = self.expected_tokens_all()
-        extra = step_s[self.max_k] / step_s[best] - expected[self.max_k] / expected[best]
+        gain = expected[self.max_k] / expected[best] if best else 1 + (expected[self.max_k] - 1) / bucket
+        extra = step_s[self.max_k] / step_s[best] - gain
         paid = math.ceil(extra / self.probe_budget) if self.probe_budget > 0 and extra > 0 else 0
         return max(self.probe_every, paid) << self._backoff[bucket]
 

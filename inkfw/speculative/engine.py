@@ -461,13 +461,16 @@ class Engine:
 
     def _admits_plainly(self, num_rows: int) -> bool:
         """Whether a request admitted into a batch of ``num_rows`` decodes plainly for good
-        (docs/design.md §6): adaptive k's best at that bucket is 0 and no probe falls due soon, so
-        its prompt would be drafted over for nothing and its chunks need not stop short for the
-        drafter."""
+        (docs/design.md §5, adaptive k): adaptive k's best at that bucket is 0, and no probe falls
+        due soon or another running request still drafts (one is enough to observe a probe, and
+        each drafting request costs the probe a pass over its prompt and its lag). Its prompt would
+        be drafted over for nothing, and its chunks need not stop short for the drafter."""
         if self.adaptive is None or self._forced_k is not None or not self.drafter.needs_hidden:
             return False
         bucket = bucket_for(num_rows, self.config.batch_buckets)
-        return self.adaptive.best_k(bucket) == 0 and not self._probe_soon(bucket)
+        if self.adaptive.best_k(bucket) != 0:
+            return False
+        return not self._probe_soon(bucket) or any(not r.drafting_off for r in self.running)
 
     def _draft(self, spans: list[DraftSpan], num_rows: int) -> None:
         """Propose the next drafts of ``spans`` into their requests' slots. With adaptive k at 0

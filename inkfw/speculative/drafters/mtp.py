@@ -13,7 +13,8 @@ are a pure function of the committed tokens and the earlier drafts (``check_draf
 
 A round that wants fewer drafts than P (adaptive k) is *shallow* when it can be: it runs only
 depths ``0 .. k-1`` and keeps the span's target hidden states, so the deeper depths run over
-those positions later, in one span, at the first round that needs them (docs/design.md §2).
+those positions later, in one span from the first deferred position, at the first round that
+needs them (docs/design.md §2).
 """
 
 from __future__ import annotations
@@ -118,12 +119,12 @@ class MtpDrafter(StepModes):
         state = self._rows.get(rid)
         return None if state is None or state.deferred is None else state.deferred.first
 
-    def _can_defer(self, state: _RowState, new_positions: int, level: int) -> bool:
-        """Whether a row may skip depths ``>= level`` this round: its deferred positions (counting
-        the tail it would keep) stay within ``defer_limit``, and no depth below ``level`` lags."""
+    def _can_defer(self, state: _RowState, new_positions: int) -> bool:
+        """Whether a row may skip its deeper depths this round: its deferred positions (counting
+        the tail it would keep) stay within ``defer_limit``."""
         d = state.deferred
         behind = state.tail_len if d is None else state.next_start - d.first
-        return (d is None or d.level >= level) and behind + new_positions <= self.defer_limit
+        return behind + new_positions <= self.defer_limit
 
     # ------------------------------------------------------------------ a round
     @torch.no_grad()
@@ -149,27 +150,33 @@ class MtpDrafter(StepModes):
         scratch = self.tail.shape[0] - 1
         states = [self._rows.get(s.request.id) or _RowState(s.start, 0) for s in spans]
         # a shallow round runs depths 0 .. K-1 only; otherwise every row's deferred positions are
-        # run over by all P depths now (docs/design.md §2)
-        shallow = K < P and all(self._can_defer(st, s.new_positions, K) for st, s in zip(states, spans))
+        # run over by all P depths now. A row re-spans from its first deferred position when the
+        # depths that run include some that have not run over it (docs/design.md §2).
+        shallow = K < P and all(self._can_defer(st, s.new_positions) for st, s in zip(states, spans))
         depths_run = K if shallow else P
-        if not shallow and any(st.deferred is not None for st in states):
-            pad_to = None  # a catch-up: spans of any length, an eager round
+        respans = [st.deferred is not None and st.deferred.level < depths_run for st in states]
+        if any(respans):
+            pad_to = None  # spans of any length: an eager round
         B = max(len(spans), pad_to or 0)
 
         # ---- host: each row's span (re-prefilled positions + the new ones), read from host values
         slots, starts, lengths, takes, wants, draft_at, rids = [], [], [], [], [], [], []
         hiddens: list[torch.Tensor] = []  # [>= length - take, H] per row: the span's rows past its tail ones
-        for span, state in zip(spans, states):
+        for span, state, respan in zip(spans, states, respans):
             rid = span.request.id
             assert span.start == state.next_start, (
                 f"request {rid}: span starts at {span.start}, drafter expected {state.next_start}"
             )
             assert span.hidden is not None
             n, deferred = span.new_positions, state.deferred
-            if deferred is not None and not shallow:  # one span from the deferred positions, no re-prefill
+            if respan:  # one span from the first deferred position, no re-prefill
+                assert deferred is not None
                 hidden = torch.cat([*deferred.rows, span.hidden[:n]])  # [deferred + n, H]
                 start, r = deferred.first, 0
-                self._rows[rid] = _RowState(span.start + n, min(P - 1, len(hidden)))
+                if shallow:  # depths >= K still lag: keep every row
+                    deferred.rows.append(span.hidden[:n].clone())
+                    deferred.level = K
+                self._rows[rid] = _RowState(span.start + n, min(P - 1, len(hidden)), deferred if shallow else None)
             else:
                 hidden = span.hidden
                 r = 0 if span.num_accepted is None else min(max(0, P - 1 - span.num_accepted), state.tail_len)
