@@ -165,6 +165,29 @@ def test_warmup_costs_never_fall_with_k_and_need_two_ks_for_a_line():
     assert fit_step_costs({1: [2.0], 3: [4.0]}, 4) == pytest.approx({1: 2.0, 2: 3.0, 3: 4.0, 4: 5.0})
 
 
+def test_catch_up_costs_weigh_on_shallow_k_by_their_tokens():
+    """A shallow k's emitted tokens cost ``catch_up_s[k]`` each later: k = 1 at 1.5 plain steps
+    beats plain decoding (E(1) = 1.8), but not once each token costs 0.4 more (1.5 + 0.72)."""
+    adaptive = AdaptiveK(max_k=2, prior_acceptance=0.8, probe_every=0)
+    adaptive.set_costs(1, [1.0, 1.5, 3.0])
+    assert adaptive.best_k(1) == 1 and adaptive.costs_now(1) == [1.0, 1.5, 3.0]
+    adaptive.set_costs(1, [1.0, 1.5, 3.0], [0.0, 0.4, 0.0])
+    assert adaptive.costs_now(1) == pytest.approx([1.0, 1.5 + 1.8 * 0.4, 3.0])
+    assert adaptive.best_k(1) == 0 and adaptive.costs_now(4) == adaptive.costs_now(1)  # borrowed
+    assert adaptive.predicted_speedup(1, 1) == pytest.approx(1.8 / 2.22)
+    with pytest.raises(ConfigError, match="catch-up costs"):
+        adaptive.set_costs(1, [1.0, 1.5, 3.0], [0.0, -1.0, 0.0])
+
+
+def test_drafting_must_promise_the_minimum_gain():
+    """k = 1 promising 4 % more tokens/s than plain decoding (E(1) = 1.8 at 1.73 plain steps) is
+    not worth the costs steps leave out: k = 0 unless ``min_gain`` allows it; 10 % is."""
+    for min_gain, cost, best in [(0.05, 1.73, 0), (0.0, 1.73, 1), (0.05, 1.636, 1)]:
+        adaptive = AdaptiveK(max_k=1, prior_acceptance=0.8, probe_every=0, min_gain=min_gain)
+        adaptive.set_costs(16, [1.0, cost])
+        assert adaptive.best_k(16) == best, (min_gain, cost)
+
+
 def test_ties_go_to_the_smaller_k():
     adaptive = AdaptiveK(max_k=2, prior_acceptance=1.0, probe_every=0)
     adaptive.set_costs(1, [1.0, 2.0, 3.0])  # E(k) = 1 + k: the same tokens/s at every k
@@ -331,6 +354,7 @@ def test_bad_costs_raise(bucket, step_s):
         {"probe_budget": -0.1},
         {"probe_budget": 1.0},
         {"max_backoff": -1},
+        {"min_gain": 1.0},
     ],
 )
 def test_bad_settings_raise(kwargs):

@@ -414,10 +414,14 @@ def test_auto_k_equals_plain_and_measures_costs(model):
     measure = engine._measure_step_costs
     engine._measure_step_costs = lambda *args: measured.append(measure(*args)) or measured[-1]  # type: ignore[method-assign]
     assert engine.warmup([1]) > 0
-    assert len(measured) == 1 and sorted(measured[0]) == [0, 1, 2]
-    assert all(len(samples) == 3 for samples in measured[0].values())  # one step per k and round
-    fitted = fit_step_costs(measured[0], 2)
+    assert len(measured) == 1
+    samples, catch_ups = measured[0]
+    assert sorted(samples) == [0, 1, 2] and all(len(s) == 3 for s in samples.values())  # one step per k and round
+    fitted = fit_step_costs(samples, 2)
     assert adaptive.costs[1] == pytest.approx(non_decreasing([fitted[k] for k in range(3)]))
+    # rounds 1 and 3 run k = 1 (shallow: depth 0 only) right before k = 2, whose first step catches up
+    assert len(catch_ups) == 2 and all(c >= 0 for c in catch_ups)
+    assert adaptive.catch_up[1] == pytest.approx([0.0, sorted(catch_ups)[0] / 2 + sorted(catch_ups)[1] / 2, 0.0])
     assert adaptive.has_costs(1) and not adaptive.has_costs(2)
     assert len(adaptive.costs[1]) == 3 and all(c > 0 for c in adaptive.costs[1])
     assert not engine.k_chosen and not adaptive.chosen  # warm-up forces k: no choices recorded

@@ -338,6 +338,7 @@ def _inkfw_row(case: Case, prompt_set: str) -> dict[str, Any]:
 def adaptive_predicted_speedup(summary: dict[str, Any] | None, batch_size: int) -> float | None:
     """The speed-up over plain decoding that auto's own model expects at ``batch_size``
     (:meth:`AdaptiveK.summary`, at the end of the benchmark): ``E(k*) * step_s[0] / step_s[k*]``
+    (step costs with catch-ups)
     for its best k at the smallest bucket with measured costs that holds the batch. None
     without such costs (or without auto)."""
     if summary is None:
@@ -345,7 +346,7 @@ def adaptive_predicted_speedup(summary: dict[str, Any] | None, batch_size: int) 
     buckets = sorted(int(b) for b in summary["costs"] if int(b) >= batch_size)
     if not buckets:
         return None
-    costs = summary["costs"][str(buckets[0])]
+    costs = summary.get("costs_now", summary["costs"])[str(buckets[0])]
     k = int(summary["best_k"][str(buckets[0])])
     return summary["expected_tokens"][k] * costs[0] / costs[k]
 

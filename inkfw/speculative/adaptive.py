@@ -12,11 +12,17 @@ pick the k in 0..max_k that maximises expected tokens per second.
   (``E(0) = 1``: the bonus token).
 * **Cost.** ``step_s[k]``: seconds of one whole decode step (verify + drafting) at a batch bucket
   with k drafts, measured at warm-up (:func:`fit_step_costs`: k >= 1 on a robust line through
-  every timed step) and kept non-decreasing in k (:meth:`AdaptiveK.set_costs`). A bucket without measured costs
+  every timed step) and kept non-decreasing in k (:meth:`AdaptiveK.set_costs`), plus for a
+  shallow k (docs/design.md §2) the catch-up its ``E(k)`` tokens cost later, also measured at
+  warm-up (:meth:`AdaptiveK.costs_now`). A bucket without measured costs
   borrows those of the nearest measured bucket; with none measured, it uses the model
   ``step_s[k] = 1 + fallback_draft_cost * k`` (relative units; drafting and the wider verify each
   cost a fixed fraction of a plain step).
-* **Choice.** ``argmax_k bucket * E(k) / step_s[k]``; ties go to the smaller k.
+* **Choice.** ``argmax_k bucket * E(k) / step_s[k]``; ties go to the smaller k. Drafting must
+  promise ``min_gain`` (5 %) more tokens/s than plain decoding, else k = 0: the step costs leave
+  out what drafting costs besides steps (the drafter's pass over each admitted prompt, host
+  bookkeeping), which a break-even k does not earn back (batch 16 on the CPU: k = 1 promised
+  4 % and ran 14-22 % below plain).
 * **Probing.** Positions beyond the chosen k are never observed, so their estimates go stale.
   Some steps of a bucket (:meth:`AdaptiveK.choose` calls, and :meth:`AdaptiveK.plain_step`
   calls for steps in which no request drafted) choose max_k instead (a probe), so every
@@ -95,6 +101,7 @@ class AdaptiveK:
         fallback_draft_cost: float = 0.1,
         probe_budget: float = 0.02,
         max_backoff: int = 4,
+        min_gain: float = 0.05,
     ) -> None:
         if max_k < 0:
             raise ConfigError(f"max_k must be >= 0, got {max_k}.")
@@ -110,6 +117,8 @@ class AdaptiveK:
             raise ConfigError(f"need 0 <= probe_budget < 1 and max_backoff >= 0, got {probe_budget} and {max_backoff}.")
         if not fallback_draft_cost >= 0:
             raise ConfigError(f"fallback_draft_cost must be >= 0, got {fallback_draft_cost}.")
+        if not 0.0 <= min_gain < 1.0:
+            raise ConfigError(f"min_gain must be in [0, 1), got {min_gain}.")
         self.max_k = max_k
         self.prior_acceptance = prior_acceptance
         self.prior_weight = prior_weight
@@ -118,9 +127,11 @@ class AdaptiveK:
         self.fallback_draft_cost = fallback_draft_cost
         self.probe_budget = probe_budget
         self.max_backoff = max_backoff
+        self.min_gain = min_gain
         self.seen = [0.0] * max_k  # [i]: decayed count of steps that reached draft position i+1
         self.accepted = [0.0] * max_k  # [i]: decayed count of those that accepted it
         self.costs: dict[int, list[float]] = {}  # bucket -> step_s[0..max_k]
+        self.catch_up: dict[int, list[float]] = {}  # bucket -> seconds per emitted token, later (set_costs)
         self.steps: Counter[int] = Counter()  # bucket -> steps (choose() and plain_step() calls)
         self._next_probe: dict[int, int] = {}  # bucket -> the step from which the next choose() probes
         self._probe_best: dict[int, int] = {}  # bucket -> best k at its previous probe
@@ -162,19 +173,26 @@ class AdaptiveK:
             totals.append(totals[-1] + chain)
         return totals
 
-    def set_costs(self, bucket: int, step_s: Sequence[float]) -> None:
+    def set_costs(self, bucket: int, step_s: Sequence[float], catch_up_s: Sequence[float] | None = None) -> None:
         """Measured seconds of one whole decode step at batch ``bucket`` with k drafts, k = 0..max_k.
         A step with more drafts does at least the work of one with fewer, so the costs kept are
         the closest non-decreasing ones (:func:`non_decreasing`): timing noise must not make a
-        larger k look cheaper. The bucket's probes are priced anew: its schedule starts over
-        from its current step."""
+        larger k look cheaper. ``catch_up_s[k]``: seconds each token a step at k emits (per
+        request) costs later, when the depths a shallow round skipped run over its position
+        (docs/design.md §2; 0 where rounds run every depth); a step at k then costs
+        ``step_s[k] + E(k) * catch_up_s[k]`` (:meth:`costs_now`). The bucket's probes are priced
+        anew: its schedule starts over from its current step."""
         values = [float(s) for s in step_s]
         if bucket < 1 or len(values) != self.max_k + 1 or not all(math.isfinite(s) and s > 0 for s in values):
             raise ConfigError(
                 f"step costs need a bucket >= 1 and {self.max_k + 1} finite positive seconds (k = 0..{self.max_k}), "
                 f"got bucket {bucket} and {values}."
             )
+        later = [0.0] * len(values) if catch_up_s is None else [float(c) for c in catch_up_s]
+        if len(later) != len(values) or not all(math.isfinite(c) and c >= 0 for c in later):
+            raise ConfigError(f"catch-up costs need {len(values)} finite seconds >= 0, got {later}.")
         self.costs[bucket] = non_decreasing(values)
+        self.catch_up[bucket] = later
         self._next_probe.pop(bucket, None)
         self._probe_best.pop(bucket, None)
         self._backoff.pop(bucket, None)
@@ -186,18 +204,37 @@ class AdaptiveK:
         """Measured ``step_s[0..max_k]`` of ``bucket``; else those of the nearest measured bucket
         (the smallest larger one, else the largest), whose ratios between k are what the choice
         uses; else the fallback model's relative costs."""
-        if bucket in self.costs:
-            return self.costs[bucket]
-        if self.costs:
-            larger = [b for b in self.costs if b > bucket]
-            return self.costs[min(larger) if larger else max(self.costs)]
+        measured = self._nearest(bucket, self.costs)
+        if measured is not None:
+            return self.costs[measured]
         return [1.0 + self.fallback_draft_cost * k for k in range(self.max_k + 1)]
+
+    @staticmethod
+    def _nearest(bucket: int, measured: dict[int, list[float]]) -> int | None:
+        """``bucket`` if measured, else the smallest larger measured bucket, else the largest."""
+        if bucket in measured or not measured:
+            return bucket if bucket in measured else None
+        larger = [b for b in measured if b > bucket]
+        return min(larger) if larger else max(measured)
+
+    def costs_now(self, bucket: int, expected: Sequence[float] | None = None) -> list[float]:
+        """Seconds of a step at k = 0..max_k with today's estimates: :meth:`step_costs` plus the
+        catch-up its ``E(k)`` emitted tokens cost later (:meth:`set_costs`; borrowed like the
+        step costs)."""
+        step_s = self.step_costs(bucket)
+        measured = bucket if bucket in self.catch_up else self._nearest(bucket, self.catch_up)
+        if measured is None:
+            return step_s
+        expected = self.expected_tokens_all() if expected is None else expected
+        return [s + e * c for s, e, c in zip(step_s, expected, self.catch_up[measured])]
 
     def best_k(self, bucket: int) -> int:
         """The k maximising expected tokens/s at ``bucket`` now (no probing, nothing recorded)."""
-        step_s = self.step_costs(bucket)
-        rates = [bucket * e / s for e, s in zip(self.expected_tokens_all(), step_s)]  # tokens/s
-        return max(range(self.max_k + 1), key=lambda k: (rates[k], -k))
+        expected = self.expected_tokens_all()
+        step_s = self.costs_now(bucket, expected)
+        rates = [bucket * e / s for e, s in zip(expected, step_s)]  # tokens/s
+        best = max(range(self.max_k + 1), key=lambda k: (rates[k], -k))
+        return best if rates[best] >= rates[0] * (1 + self.min_gain) else 0
 
     def choose(self, bucket: int) -> int:
         """k for this engine step at ``bucket``: :meth:`best_k`, or max_k on a probe step."""
@@ -236,19 +273,20 @@ class AdaptiveK:
 
     def probe_interval(self, bucket: int, best: int) -> int:
         """Steps from a probe at best k ``best`` to the next probe (module doc)."""
-        step_s = self.step_costs(bucket)
         # a probe's time beyond what steps at the best k would take for the tokens it is expected
         # to emit, in steps at the best k; at best k = 0 one request of the bucket drafts for it
         # (the engine admits the others plainly), so the probe emits E(max_k) for one row only
         expected = self.expected_tokens_all()
+        step_s = self.costs_now(bucket, expected)
         gain = expected[self.max_k] / expected[best] if best else 1 + (expected[self.max_k] - 1) / bucket
         extra = step_s[self.max_k] / step_s[best] - gain
         paid = math.ceil(extra / self.probe_budget) if self.probe_budget > 0 and extra > 0 else 0
         return max(self.probe_every, paid) << self._backoff[bucket]
 
     def predicted_speedup(self, bucket: int, k: int) -> float:
-        """Predicted tokens/s at k over plain decoding: ``(E(k) / step_s[k]) / (1 / step_s[0])``."""
-        step_s = self.step_costs(bucket)
+        """Predicted tokens/s at k over plain decoding: ``(E(k) / step_s[k]) / (1 / step_s[0])``
+        (step costs with catch-ups, :meth:`costs_now`)."""
+        step_s = self.costs_now(bucket)
         return self.expected_tokens(k) / step_s[k] * step_s[0]
 
     def summary(self) -> dict[str, Any]:
@@ -262,5 +300,7 @@ class AdaptiveK:
             "probe_every": self.probe_every,
             "probe_budget": self.probe_budget,
             "costs": {str(b): list(c) for b, c in sorted(self.costs.items())},
+            "catch_up_s": {str(b): list(c) for b, c in sorted(self.catch_up.items())},
+            "costs_now": {str(b): self.costs_now(b) for b in sorted(self.costs)},
             "best_k": {str(b): self.best_k(b) for b in sorted(self.costs)},
         }

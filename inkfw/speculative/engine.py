@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import itertools
 import math
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -314,8 +315,12 @@ class Engine:
                         self.abort(r)
                     fastest[k] = min(seconds[3:] or seconds)
                 if self.adaptive is not None:
-                    measured = fit_step_costs(self._measure_step_costs(rows, ks, cost_rounds, gen), k_max)
-                    self.adaptive.set_costs(bucket, [measured.get(k, fastest[k]) for k in ks])
+                    samples, catch_ups = self._measure_step_costs(rows, ks, cost_rounds, gen)
+                    measured = fit_step_costs(samples, k_max)
+                    # a shallow k (0 < k < P) leaves each emitted token's position to a catch-up
+                    later = statistics.median(catch_ups) if catch_ups else 0.0
+                    shallow = [later if 0 < k < self.drafter.lookahead else 0.0 for k in ks]
+                    self.adaptive.set_costs(bucket, [measured.get(k, fastest[k]) for k in ks], shallow)
         finally:
             self._forced_k = None
             self.metrics, self.times, self.k_chosen, self.eos_ids = saved
@@ -325,18 +330,23 @@ class Engine:
 
     def _measure_step_costs(
         self, rows: int, ks: Sequence[int], rounds: int, gen: torch.Generator
-    ) -> dict[int, list[float]]:
+    ) -> tuple[dict[int, list[float]], list[float]]:
         """Seconds of single decode steps at each k in ``ks`` for ``rows`` requests, one sample per
-        round (:func:`fit_step_costs` makes costs of them). One set of requests with a realistic
-        context (128 prompt tokens, at most a quarter of ``max_model_len``) steps through every k
-        in each round, forward and backward in turn, so load that comes and goes on a shared
-        machine weighs on every k alike; each k runs two steps and the second, which verifies k
-        drafts and drafts k (a shallow round, whatever k ran before), is timed. Rounds cut
-        short by the requests' length leave fewer samples (none: k is missing from the result)."""
+        round (:func:`fit_step_costs` makes costs of them), and catch-up samples. One set of
+        requests with a realistic context (128 prompt tokens, at most a quarter of
+        ``max_model_len``) steps through every k in each round, forward and backward in turn, so
+        load that comes and goes on a shared machine weighs on every k alike; each k runs two
+        steps and the second, which verifies k drafts and drafts k (a shallow round, whatever k
+        ran before), is timed. Rounds cut short by the requests' length leave fewer samples
+        (none: k is missing from the result). When the first step at a k runs every depth over
+        the positions shallow rounds deferred (docs/design.md §2), its time beyond the second
+        step's, per deferred position of a request, is a catch-up sample: seconds per position
+        that every request of the batch defers."""
         prompt_len = max(8, min(128, self.max_model_len // 4))
         prompts = torch.randint(3, self.vocab_size, (rows, prompt_len), generator=gen).tolist()
         requests = [self.add_request(p, max_new_tokens=self.max_model_len - prompt_len - 1) for p in prompts]
         samples: dict[int, list[float]] = collections.defaultdict(list)
+        catch_ups: list[float] = []
         forced = self._forced_k
         try:
             self._forced_k = max(ks)
@@ -345,6 +355,7 @@ class Engine:
             for rnd in range(rounds):
                 for k in ks if rnd % 2 == 0 else ks[::-1]:
                     self._forced_k = k
+                    stale = [self.drafter.stale_from(r.id) for r in requests]
                     seconds = []
                     for _ in range(2):
                         if any(r.finished for r in requests):
@@ -352,13 +363,20 @@ class Engine:
                         t = time.perf_counter()
                         self.step()
                         seconds.append(time.perf_counter() - t)
-                    if len(seconds) == 2:
-                        samples[k].append(seconds[1])
+                    if len(seconds) < 2:
+                        continue
+                    samples[k].append(seconds[1])
+                    caught_up = all(
+                        s is not None and self.drafter.stale_from(r.id) is None for r, s in zip(requests, stale)
+                    )
+                    if caught_up:  # deferred positions per request, up to where the first step drafted over
+                        behind = min(r.num_computed - s for r, s in zip(requests, stale) if s is not None)
+                        catch_ups.append(max(0.0, seconds[0] - seconds[1]) / max(1, behind))
         finally:
             self._forced_k = forced
             for r in requests:
                 self.abort(r)
-        return dict(samples)
+        return dict(samples), catch_ups
 
     # ---------------------------------------------------------------------- step
     def step(self) -> list[Request]:

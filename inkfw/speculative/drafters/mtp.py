@@ -33,7 +33,7 @@ from inkfw.speculative.observers import run_directly
 from inkfw.speculative.sampling import Sampler
 from inkfw.speculative.step import StepBuffers, StepFunction, StepModes, table_width
 
-DEFER_LIMIT = 64  # positions a request's deeper depths may fall behind in shallow rounds
+DEFER_LIMIT = 256  # positions a request's deeper depths may fall behind in shallow rounds
 
 
 @dataclass
@@ -179,7 +179,10 @@ class MtpDrafter(StepModes):
                 self._rows[rid] = _RowState(span.start + n, min(P - 1, len(hidden)), deferred if shallow else None)
             else:
                 hidden = span.hidden
-                r = 0 if span.num_accepted is None else min(max(0, P - 1 - span.num_accepted), state.tail_len)
+                # re-prefill what the depths that run now wrote from rejected drafts last round: a row
+                # without re-span ran at least these depths then (deeper ones wait in its deferred span)
+                a = span.num_accepted
+                r = 0 if a is None else min(max(0, depths_run - 1 - a), state.tail_len)
                 start = span.start - r
                 if shallow:  # keep what the deeper depths will need: the tail's rows, then the new ones
                     if deferred is None:
