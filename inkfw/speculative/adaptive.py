@@ -131,7 +131,7 @@ class AdaptiveK:
         self.seen = [0.0] * max_k  # [i]: decayed count of steps that reached draft position i+1
         self.accepted = [0.0] * max_k  # [i]: decayed count of those that accepted it
         self.costs: dict[int, list[float]] = {}  # bucket -> step_s[0..max_k]
-        self.catch_up: dict[int, list[float]] = {}  # bucket -> seconds per emitted token, later (set_costs)
+        self.catch_up: dict[int, list[float]] = {}  # bucket -> seconds per emitted token, later (set with costs)
         self.steps: Counter[int] = Counter()  # bucket -> steps (choose() and plain_step() calls)
         self._next_probe: dict[int, int] = {}  # bucket -> the step from which the next choose() probes
         self._probe_best: dict[int, int] = {}  # bucket -> best k at its previous probe
@@ -204,29 +204,30 @@ class AdaptiveK:
         """Measured ``step_s[0..max_k]`` of ``bucket``; else those of the nearest measured bucket
         (the smallest larger one, else the largest), whose ratios between k are what the choice
         uses; else the fallback model's relative costs."""
-        measured = self._nearest(bucket, self.costs)
+        measured = self._measured_bucket(bucket)
         if measured is not None:
             return self.costs[measured]
         return [1.0 + self.fallback_draft_cost * k for k in range(self.max_k + 1)]
 
-    @staticmethod
-    def _nearest(bucket: int, measured: dict[int, list[float]]) -> int | None:
-        """``bucket`` if measured, else the smallest larger measured bucket, else the largest."""
-        if bucket in measured or not measured:
-            return bucket if bucket in measured else None
-        larger = [b for b in measured if b > bucket]
-        return min(larger) if larger else max(measured)
+    def _measured_bucket(self, bucket: int) -> int | None:
+        """``bucket`` if measured, else the smallest larger measured bucket, else the largest (None:
+        nothing measured)."""
+        if bucket in self.costs or not self.costs:
+            return bucket if bucket in self.costs else None
+        larger = [b for b in self.costs if b > bucket]
+        return min(larger) if larger else max(self.costs)
 
     def costs_now(self, bucket: int, expected: Sequence[float] | None = None) -> list[float]:
         """Seconds of a step at k = 0..max_k with today's estimates: :meth:`step_costs` plus the
-        catch-up its ``E(k)`` emitted tokens cost later (:meth:`set_costs`; borrowed like the
-        step costs)."""
+        catch-up its ``E(k)`` emitted tokens cost later (:meth:`set_costs`, measured with the same
+        bucket's step costs)."""
         step_s = self.step_costs(bucket)
-        measured = bucket if bucket in self.catch_up else self._nearest(bucket, self.catch_up)
-        if measured is None:
+        measured = self._measured_bucket(bucket)
+        later = None if measured is None else self.catch_up.get(measured)  # costs set without set_costs: none
+        if later is None:
             return step_s
         expected = self.expected_tokens_all() if expected is None else expected
-        return [s + e * c for s, e, c in zip(step_s, expected, self.catch_up[measured])]
+        return [s + e * c for s, e, c in zip(step_s, expected, later)]
 
     def best_k(self, bucket: int) -> int:
         """The k maximising expected tokens/s at ``bucket`` now (no probing, nothing recorded)."""

@@ -443,9 +443,7 @@ class Engine:
         for r in self.running:
             if r.finished:
                 continue
-            done = r.num_computed if r.lag_start is None else r.lag_start  # the drafter's caches end here
-            stale = self.drafter.stale_from(r.id)  # ... or a deeper depth's, after shallow rounds
-            done = done if stale is None else min(done, stale)
+            done = self._drafted_until(r, r.num_computed if r.lag_start is None else r.lag_start)
             final = len(r.token_ids) - lookahead
             self.kv.finalize(r.id, r.token_ids, min(r.num_computed, final), min(done, final))
             read_from = r.num_computed if r.drafting_off else done  # what the next forwards read
@@ -728,11 +726,15 @@ class Engine:
         """``r`` decodes plainly from now on; its drafter's caches end at ``r.lag_start`` (its lag's
         start, else ``start``: the span it was not drafted over; earlier where a shallow round left
         a deeper depth's caches behind)."""
-        end = start if r.lag_start is None else r.lag_start
-        stale = self.drafter.stale_from(r.id)
-        r.lag_start = end if stale is None else min(end, stale)
+        r.lag_start = self._drafted_until(r, start if r.lag_start is None else r.lag_start)
         r.lag, r.drafting_off = [], True
         self.drafter.release(r.id)
+
+    def _drafted_until(self, r: Request, end: int) -> int:
+        """Where ``r``'s draft caches end, given that its drafter went as far as ``end``: earlier
+        where a shallow round left a deeper depth's caches behind (docs/design.md §2)."""
+        stale = self.drafter.stale_from(r.id)
+        return end if stale is None else min(end, stale)
 
     def _free_slot(self, r: Request) -> None:
         """Give back ``r``'s slot and forget its pending drafts and lag."""

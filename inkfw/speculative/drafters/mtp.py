@@ -171,11 +171,10 @@ class MtpDrafter(StepModes):
             n, deferred = span.new_positions, state.deferred
             if respan:  # one span from the first deferred position, no re-prefill
                 assert deferred is not None
-                hidden = torch.cat([*deferred.rows, span.hidden[:n]])  # [deferred + n, H]
+                hidden = torch.cat([*deferred.rows, span.hidden[:n]])  # [deferred + n, H], a copy
                 start, r = deferred.first, 0
-                if shallow:  # depths >= K still lag: keep every row
-                    deferred.rows.append(span.hidden[:n].clone())
-                    deferred.level = K
+                if shallow:  # depths >= K still lag: keep every row, as the one tensor just built
+                    deferred.rows, deferred.level = [hidden], K
                 self._rows[rid] = _RowState(span.start + n, min(P - 1, len(hidden)), deferred if shallow else None)
             else:
                 hidden = span.hidden
