@@ -129,7 +129,7 @@ def test_noisy_costs_are_kept_non_decreasing():
     assert smooth == pytest.approx([21.7, 48.05, 48.05, 52.8, 52.8, 54.3, 61.7, 69.9, 69.9])
     assert sum(smooth) == pytest.approx(sum(measured))
     assert non_decreasing([3.0, 2.0, 1.0]) == pytest.approx([2.0] * 3) and non_decreasing([1.0, 2.0]) == [1.0, 2.0]
-    adaptive = AdaptiveK(max_k=8, prior_acceptance=0.85, probe_every=0)
+    adaptive = AdaptiveK(max_k=8, prior_acceptance=0.85, probe_every=0, confidence=0.0)
     adaptive.costs[1] = measured  # as they came
     assert adaptive.best_k(1) == 8  # k = 8 (64.6) undercuts k = 7 (75.2)
     adaptive.set_costs(1, measured)
@@ -183,7 +183,7 @@ def test_drafting_must_promise_the_minimum_gain():
     """k = 1 promising 4 % more tokens/s than plain decoding (E(1) = 1.8 at 1.73 plain steps) is
     not worth the costs steps leave out: k = 0 unless ``min_gain`` allows it; 10 % is."""
     for min_gain, cost, best in [(0.05, 1.73, 0), (0.0, 1.73, 1), (0.05, 1.636, 1)]:
-        adaptive = AdaptiveK(max_k=1, prior_acceptance=0.8, probe_every=0, min_gain=min_gain)
+        adaptive = AdaptiveK(max_k=1, prior_acceptance=0.8, probe_every=0, min_gain=min_gain, confidence=0.0)
         adaptive.set_costs(16, [1.0, cost])
         assert adaptive.best_k(16) == best, (min_gain, cost)
 
@@ -257,19 +257,61 @@ def test_probes_at_best_k_zero_are_priced_for_one_drafting_row():
 
 
 def test_probes_back_off_while_the_best_k_stays():
-    """Each probe after which the best k is unchanged doubles the interval (up to 2**max_backoff);
-    a change of the best k resets it."""
-    adaptive = AdaptiveK(max_k=2, prior_acceptance=0.5, decay=0.5, probe_every=5, probe_budget=0.0, max_backoff=2)
+    """Each probe after which the best k is unchanged and settled doubles the interval (up to
+    2**max_backoff); a change of the best k resets it."""
+    adaptive = AdaptiveK(max_k=2, prior_acceptance=0.5, decay=1.0, probe_every=5, probe_budget=0.0, max_backoff=2)
     adaptive.set_costs(1, [1.0, 1.6, 2.0])
-    assert adaptive.best_k(1) == 0
+    for _ in range(200):  # well measured: half of the drafts at each position accepted
+        adaptive.observe([2, 2, 2, 2], [0, 0, 1, 2])
+    assert adaptive.best_k(1) == 0 and adaptive.best_k(1, confidence=0.0) == 0
     picks = [adaptive.choose(1) for _ in range(60)]
     assert [i + 1 for i, k in enumerate(picks) if k == 2] == [5, 10, 20, 40, 60]  # 5, 5, 10, 20, 20 apart
-    for _ in range(5):
+    adaptive.decay = 0.5  # the estimates follow the last few steps from here on
+    for _ in range(15):
         adaptive.observe([2], [2])  # drafts now always accepted: k = 2 is best
     assert adaptive.best_k(1) == 2
     assert [adaptive.choose(1) for _ in range(20)] == [2] * 20
     assert adaptive.probes == 6  # the probe at call 80 saw the change: back to every 5 calls
     assert adaptive.probe_interval(1, 2) == 5 and adaptive._next_probe[1] == 85
+
+
+def test_probes_do_not_back_off_while_doubt_decides_the_choice():
+    """A position seen once (rejected at a probe: 0.47 under the default prior) is not settled:
+    the optimistic choice differs from the estimates' own, so probes keep their priced interval
+    instead of backing off; once measured, the same best k backs off as before."""
+    adaptive = AdaptiveK(max_k=2, decay=1.0, probe_every=5, probe_budget=0.0, max_backoff=2)
+    adaptive.set_costs(1, [1.0, 1.3, 1.7])
+    adaptive.observe([2], [1])  # position 1 accepted, position 2 rejected once
+    assert adaptive.best_k(1, confidence=0.0) == 1 and adaptive.best_k(1) == 2
+    picks = [adaptive.choose(1) for _ in range(20)]
+    assert picks == [2] * 20 and adaptive._backoff[1] == 0  # unsettled: probes every 5 calls
+    for _ in range(300):
+        adaptive.observe([2, 2, 2, 2], [2, 2, 2, 1])  # position 1 measured at 1.0, position 2 at 0.75
+    assert adaptive.best_k(1) == adaptive.best_k(1, confidence=0.0) == 2
+    [adaptive.choose(1) for _ in range(20)]
+    assert adaptive._backoff[1] == 2  # settled: the interval doubled at each probe since
+
+
+def test_optimism_escapes_the_plain_decoding_trap():
+    """Three early rejections at position 2 make plain decoding best by the estimates, and k = 0
+    observes nothing: without probes, choosing by the estimates decodes plainly for good. The
+    optimistic choice drafts, observes, and settles on the k the true rates make best."""
+    rates = [0.85, 0.7, 0.85, 0.8]
+    step_s = [1.0, 1.87, 2.05, 2.22, 2.4]  # batch 1, compiled on the CPU (the shipped checkpoint's ratios)
+    best = brute_force_best(rates, step_s)
+    assert best == 4
+    for confidence, expect in [(0.0, 0), (1.0, best)]:
+        adaptive = AdaptiveK(max_k=4, probe_every=0, confidence=confidence)
+        adaptive.set_costs(1, step_s)
+        adaptive.observe([4, 4, 4], [1, 1, 1])
+        assert adaptive.best_k(1, confidence=0.0) == 0
+        rng = random.Random(0)
+        for _ in range(400):
+            k = adaptive.choose(1)
+            if k:
+                adaptive.observe(*draw_steps(rng, rates, k, 1))
+        assert adaptive.best_k(1) == expect, confidence
+        assert (adaptive.chosen[0] == 400) == (confidence == 0.0)
 
 
 def test_new_costs_restart_the_probe_schedule():
