@@ -18,22 +18,23 @@ pick the k in 0..max_k that maximises expected tokens per second.
   borrows those of the nearest measured bucket; with none measured, it uses the model
   ``step_s[k] = 1 + fallback_draft_cost * k`` (relative units; drafting and the wider verify each
   cost a fixed fraction of a plain step).
-* **Choice: optimistic.** ``argmax_k bucket * E+(k) / step_s[k]``, where ``E+`` is ``E`` with
-  each ``alpha_i`` raised to its upper bound
-  ``alpha_i + confidence * sqrt(alpha_i (1 - alpha_i) / (seen_i + w))`` (at most 1; ``confidence``
-  1 by default, 0 chooses by the estimates themselves); ties go to the smaller k. A position
-  seldom seen is given the benefit of the doubt, so the k that would measure it gets chosen and
-  the doubt shrinks as ``1 / sqrt(seen)``. Choosing by the estimates alone traps: at batch 1 a
-  position seen twice and rejected twice (0.35 under the default prior, where 0.6-0.8 is usual)
-  made k = 0 best, k = 0 observes nothing, and one probe every 32+ steps adds one observation,
-  so plain decoding held for 250 of 400 steps (compiled, shipped checkpoint). Simulated with
-  that run's costs and k = 7's measured rates (768 tokens, 40 seeds): by the estimates 0.89x of
-  the best fixed k on average and 0.73x at worst; optimistic 1.00x and 0.89x; with a drafter
-  whose drafts are mostly rejected, optimism costs 2 % against by the estimates (a few early
-  drafting steps). Drafting must promise ``min_gain`` (5 %) more tokens/s than plain decoding,
-  else k = 0: the step costs leave out what drafting costs besides steps (the drafter's pass over
-  each admitted prompt, host bookkeeping), which a break-even k does not earn back (batch 16 on
-  the CPU: k = 1 promised 4 % and ran 14-22 % below plain).
+* **Choice.** ``argmax_k bucket * E(k) / step_s[k]``; ties go to the smaller k. Where that is
+  k = 0, the same argmax with each ``alpha_i`` raised to its upper bound
+  ``alpha_i + confidence * sqrt(alpha_i (1 - alpha_i) / (seen_i + w))`` (at most 1;
+  ``confidence`` 1 by default, 0 switches it off): whether to draft at all is decided
+  optimistically, because k = 0 observes nothing and so cannot correct itself, while a drafting
+  step observes positions 1.. and probes observe the rest. Choosing by the estimates alone
+  trapped: at batch 1 two early rejections at position 2 (0.35 under the default prior, where
+  0.6-0.8 is usual) made k = 0 best, and one probe every 32+ steps added one observation each, so
+  plain decoding held for 250 of 400 steps (compiled, shipped checkpoint). Simulated with that
+  run's costs and k = 7's measured rates (768 tokens, 40 seeds): 0.89x of the best fixed k on
+  average and 0.73x at worst before, 0.99x and 0.89x now; with eager batch-1 costs 0.96x / 0.68x
+  before, 0.98x / 0.92x now; a drafter whose drafts are mostly rejected pays 1 % for the
+  optimism (a few early drafting steps); ``tests/test_adaptive.py`` runs that simulation. Drafting
+  must promise ``min_gain`` (5 %) more tokens/s than plain decoding, else k = 0: the step costs
+  leave out what drafting costs besides steps (the drafter's pass over each admitted prompt, host
+  bookkeeping), which a break-even k does not earn back (batch 16 on the CPU: k = 1 promised 4 %
+  and ran 14-22 % below plain).
 * **Probing.** Positions beyond the chosen k are never observed, so their estimates go stale.
   Some steps of a bucket (:meth:`AdaptiveK.choose` calls, and :meth:`AdaptiveK.plain_step`
   calls for steps in which no request drafted) choose max_k instead (a probe), so every
@@ -46,9 +47,9 @@ pick the k in 0..max_k that maximises expected tokens per second.
   plainly), so its tokens are ``1 + (E(max_k) - 1) / bucket`` per row instead of ``E(max_k)``.
   ``backoff`` counts the probes in a row at which the best k was what it had been at the probe
   before *and* settled (capped at ``max_backoff``; back to 0 otherwise): while nothing changes
-  and nothing could, probes grow rarer. The best k is settled when the estimates themselves
-  (``confidence`` 0) choose it too: while doubt still decides the choice, probes keep coming at
-  the priced interval. (Backing off on an unchanged best alone froze a position seen once for
+  and nothing could, probes grow rarer. The best k is settled when the optimistic argmax (every
+  estimate at its upper bound) is the same k: while doubt could change the choice, probes keep
+  coming at the priced interval. (Backing off on an unchanged best alone froze a position seen once for
   the rest of a run: k = 4 for 140 steps with position 5 at 0.47 from one rejection, where
   k = 7-8 ran best.) Deterministic; ``probe_every=0`` switches probing off, ``probe_budget=0``
   and ``max_backoff=0`` give a probe exactly every ``probe_every`` steps. A probe falls due at
@@ -257,15 +258,19 @@ class AdaptiveK:
         expected = self.expected_tokens_all() if expected is None else expected
         return [s + e * c for s, e, c in zip(step_s, expected, later)]
 
-    def best_k(self, bucket: int, confidence: float | None = None) -> int:
+    def best_k_at(self, bucket: int, confidence: float = 0.0) -> int:
         """The k maximising expected tokens/s at ``bucket`` now with every estimate at its upper
-        bound at ``confidence`` (default: the setting; 0: the estimates themselves; no probing,
-        nothing recorded)."""
-        expected = self.expected_tokens_all(self.acceptance_bounds(confidence))
+        bound at ``confidence`` (0: the estimates themselves; no probing, nothing recorded)."""
+        expected = self.expected_tokens_all(self.acceptance_bounds(confidence) if confidence else None)
         step_s = self.costs_now(bucket, expected)
         rates = [bucket * e / s for e, s in zip(expected, step_s)]  # tokens/s
         best = max(range(self.max_k + 1), key=lambda k: (rates[k], -k))
         return best if rates[best] >= rates[0] * (1 + self.min_gain) else 0
+
+    def best_k(self, bucket: int) -> int:
+        """The k to draft at ``bucket`` now (no probing, nothing recorded): the estimates' best,
+        and where that is 0, the optimistic one (module doc)."""
+        return self.best_k_at(bucket) or self.best_k_at(bucket, self.confidence)
 
     def choose(self, bucket: int) -> int:
         """k for this engine step at ``bucket``: :meth:`best_k`, or max_k on a probe step."""
@@ -276,7 +281,7 @@ class AdaptiveK:
         if self.steps[bucket] >= due:
             self.probes += 1
             k = self.max_k
-            settled = self._probe_best.get(bucket) == best and self.best_k(bucket, confidence=0.0) == best
+            settled = self._probe_best.get(bucket) == best and self.best_k_at(bucket, self.confidence) == best
             self._backoff[bucket] = min(self.max_backoff, self._backoff[bucket] + 1) if settled else 0
             self._probe_best[bucket] = best
             self._next_probe[bucket] = self.steps[bucket] + self.probe_interval(bucket, best)
