@@ -26,11 +26,10 @@ pick the k in 0..max_k that maximises expected tokens per second.
   step observes positions 1.. and probes observe the rest. Choosing by the estimates alone
   trapped: at batch 1 two early rejections at position 2 (0.35 under the default prior, where
   0.6-0.8 is usual) made k = 0 best, and one probe every 32+ steps added one observation each, so
-  plain decoding held for 250 of 400 steps (compiled, shipped checkpoint). Simulated with that
-  run's costs and k = 7's measured rates (768 tokens, 40 seeds): 0.89x of the best fixed k on
-  average and 0.73x at worst before, 0.99x and 0.89x now; with eager batch-1 costs 0.96x / 0.68x
-  before, 0.98x / 0.92x now; a drafter whose drafts are mostly rejected pays 1 % for the
-  optimism (a few early drafting steps); ``tests/test_adaptive.py`` runs that simulation. Drafting
+  plain decoding held for 250 of 400 steps (compiled, shipped checkpoint).
+  ``tests/test_adaptive.py::test_adaptive_k_runs_near_the_best_fixed_k`` simulates that run's
+  costs and rates; a drafter whose drafts are mostly rejected pays about 1 % for the optimism (a
+  few early drafting steps). Drafting
   must promise ``min_gain`` (5 %) more tokens/s than plain decoding, else k = 0: the step costs
   leave out what drafting costs besides steps (the drafter's pass over each admitted prompt, host
   bookkeeping), which a break-even k does not earn back (batch 16 on the CPU: k = 1 promised 4 %
@@ -49,9 +48,9 @@ pick the k in 0..max_k that maximises expected tokens per second.
   before *and* settled (capped at ``max_backoff``; back to 0 otherwise): while nothing changes
   and nothing could, probes grow rarer. The best k is settled when the optimistic argmax (every
   estimate at its upper bound) is the same k: while doubt could change the choice, probes keep
-  coming at the priced interval. (Backing off on an unchanged best alone froze a position seen once for
-  the rest of a run: k = 4 for 140 steps with position 5 at 0.47 from one rejection, where
-  k = 7-8 ran best.) Deterministic; ``probe_every=0`` switches probing off, ``probe_budget=0``
+  coming at the priced interval (backing off on an unchanged best alone froze a position seen
+  once: k = 4 for 140 steps with position 5 at 0.47 from one rejection, where k = 7-8 ran best).
+  Deterministic; ``probe_every=0`` switches probing off, ``probe_budget=0``
   and ``max_backoff=0`` give a probe exactly every ``probe_every`` steps. A probe falls due at
   a step; it runs at the next choose() call. New costs (:meth:`set_costs`) reprice a bucket's
   probes: its schedule (next probe, backoff) starts over from its current step.
@@ -185,13 +184,13 @@ class AdaptiveK:
         """``E(k)``: expected tokens one request emits per step with k drafts."""
         return self.expected_tokens_all()[k]
 
-    def acceptance_bounds(self, confidence: float | None = None) -> list[float]:
-        """Upper bounds of ``alpha_1..alpha_max_k``: each estimate plus ``confidence`` (default:
-        the setting) of its standard error over ``seen_i + w`` observations (prior included), at
-        most 1."""
-        z, w = self.confidence if confidence is None else confidence, self.prior_weight
+    def acceptance_bounds(self, confidence: float) -> list[float]:
+        """Upper bounds of ``alpha_1..alpha_max_k``: each estimate plus ``confidence`` of its
+        standard error over ``seen_i + w`` observations (prior included), at most 1."""
+        w = self.prior_weight
         return [
-            min(1.0, a + z * math.sqrt(a * (1.0 - a) / (seen + w))) for a, seen in zip(self.acceptance(), self.seen)
+            min(1.0, a + confidence * math.sqrt(a * (1.0 - a) / (seen + w)))
+            for a, seen in zip(self.acceptance(), self.seen)
         ]
 
     def expected_tokens_all(self, acceptance: Sequence[float] | None = None) -> list[float]:
@@ -335,7 +334,7 @@ class AdaptiveK:
             "probes": self.probes,
             "probe_every": self.probe_every,
             "probe_budget": self.probe_budget,
-            "acceptance_bounds": self.acceptance_bounds(),
+            "acceptance_bounds": self.acceptance_bounds(self.confidence),
             "costs": {str(b): list(c) for b, c in sorted(self.costs.items())},
             "catch_up_s": {str(b): list(c) for b, c in sorted(self.catch_up.items())},
             "costs_now": {str(b): self.costs_now(b) for b in sorted(self.costs)},
