@@ -316,34 +316,21 @@ def test_optimism_escapes_the_plain_decoding_trap():
 
 
 def simulate_tokens_per_s(
-    rates: list[float],
-    step_s: list[float],
-    k: int | None,
-    seed: int,
-    tokens: int = 768,
-    confidence: float = 1.0,
-    serving_s: list[float] | None = None,
-    observe_costs: bool = True,
+    rates: list[float], step_s: list[float], k: int | None, seed: int, tokens: int = 768, confidence: float = 1.0
 ) -> float:
-    """Tokens per second of one request at batch 1 whose steps cost ``serving_s[k]`` (default:
-    ``step_s``, the warm-up costs adaptive k is given) and accept drafts at conditional
-    ``rates``: at a fixed k, or adaptive k (``k=None``) with its chosen k each step, which also
-    observes the cost of each step at the k of the step before (``observe_costs``)."""
+    """Tokens per second of one request at batch 1 whose steps cost ``step_s[k]`` and accept drafts
+    at conditional ``rates``: at a fixed k, or adaptive k (``k=None``) with its chosen k each step."""
     rng = random.Random(seed)
-    serving_s = step_s if serving_s is None else serving_s
     adaptive = AdaptiveK(max_k=len(rates), confidence=confidence)
     adaptive.set_costs(1, step_s)
-    seconds, emitted, k_before = 0.0, 0, None
+    seconds, emitted = 0.0, 0
     while emitted < tokens:
         k_now = adaptive.choose(1) if k is None else k
         drafts, accepted = draw_steps(rng, rates, k_now, 1)
         if k is None and k_now:
             adaptive.observe(drafts, accepted)
-        if k is None and observe_costs and k_now == k_before:
-            adaptive.observe_step(1, k_now, serving_s[k_now])
-        seconds += serving_s[k_now]
+        seconds += step_s[k_now]
         emitted += accepted[0] + 1
-        k_before = k_now
     return emitted / seconds
 
 
@@ -365,66 +352,6 @@ def test_adaptive_k_runs_near_the_best_fixed_k(step_s):
     best = max(sum(simulate_tokens_per_s(rates, step_s, k, s) for s in seeds) / len(seeds) for k in range(9))
     runs = [simulate_tokens_per_s(rates, step_s, None, s) / best for s in seeds]
     assert sum(runs) / len(runs) >= 0.95 and min(runs) >= 0.85, runs
-
-
-def test_serving_costs_correct_the_warm_up_costs():
-    """Where serving steps at a k run slower than warm-up measured (compiled, batch 1: k = 8's
-    serving steps took 23 ms where warm-up put it at 17), adaptive k learns the observed costs and
-    runs within 5 % of the best fixed k at the true costs on average (0.96x); choosing on the
-    warm-up costs alone stays on k = 8 and gets 0.88x."""
-    rates = [0.85, 0.7, 0.85, 0.85, 0.94, 0.9, 0.96, 0.96]
-    warm_up = [5.55, 10.39, 11.36, 12.34, 13.32, 14.29, 15.27, 16.25, 17.22]
-    serving = warm_up[:8] + [23.5]
-    seeds = range(16)
-
-    def mean_tokens_per_s(k: int | None, observe_costs: bool = True) -> float:
-        runs = [
-            simulate_tokens_per_s(rates, warm_up, k, s, serving_s=serving, observe_costs=observe_costs) for s in seeds
-        ]
-        return sum(runs) / len(runs)
-
-    best = max(mean_tokens_per_s(k) for k in range(9))
-    assert mean_tokens_per_s(None) >= 0.95 * best
-    assert mean_tokens_per_s(None, observe_costs=False) < 0.9 * best
-
-
-def test_observed_costs_replace_the_warm_up_costs():
-    """A k's serving steps replace its warm-up cost once ``min_observed`` of them are in, by the
-    median of the last ``observed_window``; other k keep theirs. A bucket without warm-up costs of
-    its own keeps nothing (it borrows a measured bucket's costs, observed ones included), and new
-    warm-up costs start the observations over."""
-    adaptive = AdaptiveK(max_k=2, min_observed=3, observed_window=5)
-    adaptive.set_costs(2, [1.0, 2.0, 3.0])
-    for seconds in (5.0, 9.0):
-        adaptive.observe_step(2, 1, seconds)
-    assert adaptive.step_costs(2) == [1.0, 2.0, 3.0] and adaptive.observed_costs(2) == {}
-    adaptive.observe_step(2, 1, 6.0)
-    assert adaptive.step_costs(2) == [1.0, 6.0, 3.0]  # median of 5, 9, 6
-    for seconds in (1.5, 1.5, 1.5, 100.0):  # 5 and 9 leave the window; an outlier barely counts
-        adaptive.observe_step(2, 1, seconds)
-    assert adaptive.observed_costs(2) == {1: 1.5}
-    adaptive.observe_step(1, 2, 50.0)  # bucket 1 has no costs of its own: borrows bucket 2's
-    assert adaptive.step_costs(1) == adaptive.step_costs(2) == [1.0, 1.5, 3.0]
-    assert adaptive.summary()["observed_costs"] == {"2": {"1": 1.5}}
-    adaptive.set_costs(2, [1.0, 2.0, 3.0])
-    assert adaptive.step_costs(2) == [1.0, 2.0, 3.0]
-    with pytest.raises(ValueError, match="0 <= k <= 2"):
-        adaptive.observe_step(2, 3, 1.0)
-    with pytest.raises(ConfigError, match="min_observed"):
-        AdaptiveK(max_k=2, min_observed=9, observed_window=8)
-
-
-def test_the_choice_moves_off_a_k_whose_serving_steps_run_slow():
-    """Observed costs move the choice to the next best k, which is then observed in turn."""
-    adaptive = AdaptiveK(max_k=2, prior_acceptance=0.8, probe_every=0, confidence=0.0, min_observed=2)
-    adaptive.set_costs(1, [1.0, 1.5, 1.6])  # tokens/s 1, 1.2, 1.525: k = 2
-    assert adaptive.best_k(1) == 2
-    for _ in range(2):
-        adaptive.observe_step(1, 2, 2.6)  # 2.44 / 2.6 = 0.94: now k = 1
-    assert adaptive.best_k(1) == 1
-    for _ in range(2):
-        adaptive.observe_step(1, 1, 2.0)  # 1.8 / 2 = 0.9: plain decoding
-    assert adaptive.best_k(1) == 0
 
 
 def test_new_costs_restart_the_probe_schedule():

@@ -18,15 +18,6 @@ pick the k in 0..max_k that maximises expected tokens per second.
   borrows those of the nearest measured bucket; with none measured, it uses the model
   ``step_s[k] = 1 + fallback_draft_cost * k`` (relative units; drafting and the wider verify each
   cost a fixed fraction of a plain step).
-* **Observed costs.** Warm-up steps are not serving steps: random prompts whose drafts are all
-  rejected, one context length, three samples per k, minutes before the load the serving steps
-  meet. So the engine also reports the seconds of each serving step that verified k drafts per
-  request and drafted k again (:meth:`AdaptiveK.observe_step`; steps that change k, prefill, or
-  compile are left out). Once a bucket with warm-up costs has ``min_observed`` such steps at a
-  k, the median of its last ``observed_window`` replaces that k's warm-up cost. A k never
-  observed keeps its warm-up cost, so where serving steps at the chosen k run slower than
-  warm-up promised, the choice moves to a neighbour, which is then observed in turn
-  (``tests/test_adaptive.py::test_serving_costs_correct_the_warm_up_costs``).
 * **Choice.** ``argmax_k bucket * E(k) / step_s[k]``; ties go to the smaller k. Where that is
   k = 0, the same argmax with each ``alpha_i`` raised to its upper bound
   ``alpha_i + confidence * sqrt(alpha_i (1 - alpha_i) / (seen_i + w))`` (at most 1;
@@ -69,7 +60,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -127,8 +118,6 @@ class AdaptiveK:
         max_backoff: int = 4,
         min_gain: float = 0.05,
         confidence: float = 1.0,
-        min_observed: int = 8,
-        observed_window: int = 32,
     ) -> None:
         if max_k < 0:
             raise ConfigError(f"max_k must be >= 0, got {max_k}.")
@@ -148,8 +137,6 @@ class AdaptiveK:
             raise ConfigError(f"min_gain must be in [0, 1), got {min_gain}.")
         if not (math.isfinite(confidence) and confidence >= 0):
             raise ConfigError(f"confidence must be a finite number >= 0, got {confidence}.")
-        if not 1 <= min_observed <= observed_window:
-            raise ConfigError(f"need 1 <= min_observed <= observed_window, got {min_observed} and {observed_window}.")
         self.max_k = max_k
         self.prior_acceptance = prior_acceptance
         self.prior_weight = prior_weight
@@ -160,9 +147,6 @@ class AdaptiveK:
         self.max_backoff = max_backoff
         self.min_gain = min_gain
         self.confidence = confidence
-        self.min_observed = min_observed
-        self.observed_window = observed_window
-        self.observed: dict[int, list[deque[float]]] = {}  # bucket -> [k]: seconds of its last serving steps at k
         self.seen = [0.0] * max_k  # [i]: decayed count of steps that reached draft position i+1
         self.accepted = [0.0] * max_k  # [i]: decayed count of those that accepted it
         self.costs: dict[int, list[float]] = {}  # bucket -> step_s[0..max_k]
@@ -225,7 +209,7 @@ class AdaptiveK:
         request) costs later, when the depths a shallow round skipped run over its position
         (docs/design.md §2; 0 where rounds run every depth); a step at k then costs
         ``step_s[k] + E(k) * catch_up_s[k]`` (:meth:`costs_now`). The bucket's probes are priced
-        anew: its schedule starts over from its current step; its observed costs start over too."""
+        anew: its schedule starts over from its current step."""
         values = [float(s) for s in step_s]
         if bucket < 1 or len(values) != self.max_k + 1 or not all(math.isfinite(s) and s > 0 for s in values):
             raise ConfigError(
@@ -237,7 +221,6 @@ class AdaptiveK:
             raise ConfigError(f"catch-up costs need {len(values)} finite seconds >= 0, got {later}.")
         self.costs[bucket] = non_decreasing(values)
         self.catch_up[bucket] = later
-        self.observed[bucket] = [deque(maxlen=self.observed_window) for _ in values]
         self._next_probe.pop(bucket, None)
         self._probe_best.pop(bucket, None)
         self._backoff.pop(bucket, None)
@@ -245,36 +228,14 @@ class AdaptiveK:
     def has_costs(self, bucket: int) -> bool:
         return bucket in self.costs
 
-    def observe_step(self, bucket: int, k: int, seconds: float) -> None:
-        """Record a serving step at ``bucket`` that verified ``k`` drafts per request and drafted
-        ``k`` for the next step, in ``seconds`` (module doc: observed costs). Kept only where
-        ``bucket`` has warm-up costs of its own, which the observations then replace."""
-        if not 0 <= k <= self.max_k:
-            raise ValueError(f"need 0 <= k <= {self.max_k}, got {k}")
-        if bucket in self.observed and math.isfinite(seconds) and seconds > 0:
-            self.observed[bucket][k].append(float(seconds))
-
-    def observed_costs(self, bucket: int) -> dict[int, float]:
-        """k -> median seconds of ``bucket``'s last serving steps at k, for every k observed at
-        least ``min_observed`` times."""
-        return {
-            k: statistics.median(seconds)
-            for k, seconds in enumerate(self.observed.get(bucket, []))
-            if len(seconds) >= self.min_observed
-        }
-
     def step_costs(self, bucket: int) -> list[float]:
-        """Measured ``step_s[0..max_k]`` of ``bucket``, each replaced by its observed cost where
-        there is one; else those of the nearest measured bucket (the smallest larger one, else the
-        largest), whose ratios between k are what the choice uses; else the fallback model's
-        relative costs."""
+        """Measured ``step_s[0..max_k]`` of ``bucket``; else those of the nearest measured bucket
+        (the smallest larger one, else the largest), whose ratios between k are what the choice
+        uses; else the fallback model's relative costs."""
         measured = self._measured_bucket(bucket)
-        if measured is None:
-            return [1.0 + self.fallback_draft_cost * k for k in range(self.max_k + 1)]
-        if measured != bucket:
-            return self.step_costs(measured)
-        observed = self.observed_costs(bucket)
-        return [observed.get(k, s) for k, s in enumerate(self.costs[bucket])]
+        if measured is not None:
+            return self.costs[measured]
+        return [1.0 + self.fallback_draft_cost * k for k in range(self.max_k + 1)]
 
     def _measured_bucket(self, bucket: int) -> int | None:
         """``bucket`` if measured, else the smallest larger measured bucket, else the largest (None:
@@ -376,9 +337,6 @@ class AdaptiveK:
             "acceptance_bounds": self.acceptance_bounds(self.confidence),
             "costs": {str(b): list(c) for b, c in sorted(self.costs.items())},
             "catch_up_s": {str(b): list(c) for b, c in sorted(self.catch_up.items())},
-            "observed_costs": {
-                str(b): {str(k): c for k, c in self.observed_costs(b).items()} for b in sorted(self.costs)
-            },
             "costs_now": {str(b): self.costs_now(b) for b in sorted(self.costs)},
             "best_k": {str(b): self.best_k(b) for b in sorted(self.costs)},
         }

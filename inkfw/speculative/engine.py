@@ -208,7 +208,6 @@ class Engine:
                 part.set_step_mode(compile=self.config.compile, cuda_graphs=graphs)  # type: ignore[attr-defined]
         self.warmup_s = 0.0  # compile / capture / cost measurement (Engine.warmup), not in tokens/s
         self._forced_k: int | None = None  # warm-up: every round drafts this many
-        self._round_k_now: int | None = None  # k of this step's drafting round (None: no round)
         self.k_chosen: collections.Counter[int] = collections.Counter()  # k of each drafting round
 
     # ------------------------------------------------------------------ observers
@@ -388,13 +387,10 @@ class Engine:
         """
         t0 = time.perf_counter()
         fwd0 = self.clock.seconds
-        compile0 = self._compile_s()
-        self._round_k_now = None
         self._failed: list[Request] = []
         prefills, decodes = self._schedule()
         finished: list[Request] = list(self._failed)
         spans: list[DraftSpan] = []
-        counts: list[int] = []  # drafts each decoding request verifies
 
         # target: prefill chunks, then verify [x[L-1], drafts] for decoding requests
         if prefills:
@@ -438,7 +434,6 @@ class Engine:
             self._draft(spans, max(len(spans), len(decodes)))
         elif self.adaptive is not None and any(r.drafting_off and not r.finished for r in decodes):
             self.k_chosen[0] += 1  # every request still decoding has stopped drafting
-            self._round_k_now = 0
             if self._forced_k is None:
                 self.adaptive.plain_step(bucket_for(len(decodes), self.config.batch_buckets))
         t2 = time.perf_counter()
@@ -461,24 +456,9 @@ class Engine:
         self.times.bookkeeping_s += t3 - t2
         self.times.forward_s += self.clock.seconds - fwd0
         self.times.num_steps += 1
-        if decodes and not prefills and self._compile_s() == compile0:
-            self._observe_step_cost(decodes, counts, t3 - t0)
         for obs in self.observers:
             obs.on_step_end(self, finished)
         return finished
-
-    def _compile_s(self) -> float:
-        """Seconds the step functions have spent compiling or capturing so far."""
-        return sum(getattr(part, "warmup_s", 0.0) for part in (self.verifier, self.drafter))
-
-    def _observe_step_cost(self, decodes: list[Request], counts: list[int], seconds: float) -> None:
-        """Give adaptive k the cost of this decode step (no prefill, nothing compiled) when it ran
-        at one k throughout: every request verified k drafts and the round drafted k again
-        (:meth:`AdaptiveK.observe_step`). Warm-up steps force k and are measured apart."""
-        k = self._round_k_now
-        if self.adaptive is None or self._forced_k is not None or k is None or any(n != k for n in counts):
-            return
-        self.adaptive.observe_step(bucket_for(len(decodes), self.config.batch_buckets), k, seconds)
 
     def _round_k(self, bucket: int) -> int:
         """k of this drafting round: the drafter's, or adaptive k's choice for the batch bucket."""
@@ -515,7 +495,7 @@ class Engine:
         comes with no probe due before its lag could fill, stops drafting for good. ``num_rows``:
         the step's batch (its verify rows), whose bucket adaptive k chooses for."""
         bucket = bucket_for(num_rows, self.config.batch_buckets)
-        k = self._round_k_now = self._round_k(bucket)
+        k = self._round_k(bucket)
         if k == 0 and self.drafter.needs_hidden:
             probe_soon = self._probe_soon(bucket)
             for s in spans:
