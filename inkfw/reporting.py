@@ -208,6 +208,8 @@ BENCH_COLUMNS = (
     "vs HF",
     "vs HF mtp",
     "vs plain",
+    "paired vs plain",
+    "auto vs best k",
     "tau",
     "predicted",
     "efficiency",
@@ -225,6 +227,12 @@ def _chosen_k(chosen: dict[str, int] | None) -> str:
     return " ".join(f"{k}:{n}" for k, n in sorted(chosen.items(), key=lambda kv: int(kv[0])))
 
 
+def _against_best_k(r: dict[str, Any]) -> str:
+    """An auto row's paired ratio against the fixed k it trails most, as ``0.97x (k=7)``, or ``-``."""
+    ratio = r.get("paired_vs_best_k")
+    return "-" if ratio is None else f"{ratio:.2f}x (k={r['paired_best_k']})"
+
+
 def _bench_cells(r: dict[str, Any]) -> list[str]:
     """One row of the speed table (:data:`BENCH_COLUMNS`); HF rows leave the inkfw columns ``-``."""
     inkfw = r["system"] == "inkfw"
@@ -236,6 +244,8 @@ def _bench_cells(r: dict[str, Any]) -> list[str]:
         _times(r.get("speedup_vs_hf")),
         _times(r.get("speedup_vs_hf_mtp")),
         _times(r.get("speedup_vs_plain")),
+        _times(r.get("paired_vs_plain")),
+        _against_best_k(r),
         f"{r['mean_acceptance_length']:.2f}" if inkfw else "-",
         _times(r.get("predicted_speedup")),
         _plain_number(r.get("efficiency")),
@@ -263,23 +273,27 @@ def _bench_title(report: dict[str, Any]) -> str:
         f"{report['model']['name']}: {report['max_new_tokens']} new tokens per request"
         f"{' (EOS ignored)' if report['ignore_eos'] else ''}, {report['repeats']} repeat(s), "
         f"{machine['threads']} thread(s), {machine['device']}"
+        + (f", runs take turns per {report['interleave']}" if report.get("interleave") else "")
     )
 
 
 def bench_table(report: dict[str, Any]) -> Table:
     """The benchmark's runs (``bench.json``'s ``results``) as a rich table: tokens/s, speed-ups
-    over HF ``generate`` / ``generate(use_mtp=True)`` / inkfw plain decoding, acceptance,
-    predicted speed-up and efficiency, host reads per step, warm-up and the k chosen by auto."""
+    over HF ``generate`` / ``generate(use_mtp=True)`` / inkfw plain decoding, the paired ratios
+    over plain decoding and (auto) the best fixed k (red below 0.95x, issue 9's target),
+    acceptance, predicted speed-up and efficiency, host reads per step, warm-up and the k
+    chosen by auto."""
     forward = _forward_line(report)
     table = Table(title=_bench_title(report) + (f"\n{forward}" if forward else ""))
     for col in BENCH_COLUMNS:
         table.add_column(col, justify="left" if col in ("prompt set", "run", "chosen k") else "right")
     for r in report["results"]:
         cells = _bench_cells(r)
-        ratio = r.get("speedup_vs_plain")
-        if ratio is not None:  # slower than plain decoding: red
-            style = "green" if ratio >= 1.0 else "red"
-            cells[5] = f"[{style}]{cells[5]}[/{style}]"
+        for i, key in ((5, "speedup_vs_plain"), (6, "paired_vs_plain"), (7, "paired_vs_best_k")):
+            ratio = r.get(key)
+            if ratio is not None:  # slower than plain decoding (or than the best fixed k): red
+                style = "green" if ratio >= (0.95 if i == 7 else 1.0) else "red"
+                cells[i] = f"[{style}]{cells[i]}[/{style}]"
         table.add_row(*cells)
     return table
 

@@ -11,10 +11,17 @@ A run is one system decoding one prompt set at one batch size:
 :func:`plan_runs` expands the option lists into the ordered list of runs of one round; the
 benchmark repeats that round ``repeats`` times per prompt set, so a noisy machine slows every
 run alike, in the plan's order and reversed in turn (:func:`round_order`). Runs that share mode, drafter, k and batch size share one engine.
+
+How finely runs take turns is ``interleave`` (:func:`interleaved_batches`): ``set``, each run
+decodes a whole prompt set before the next starts; ``batch``, the set is cut into batches of
+lcm(batch sizes) prompts and every run decodes each batch in turn (reversed on every other batch),
+so neighbouring runs are seconds apart, not minutes, and each batch gives a *paired* ratio of
+two runs measured under the same load (:func:`inkfw.bench.run.add_paired_ratios`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +40,8 @@ MODES: dict[str, dict[str, bool]] = {
 HF_SYSTEMS = {"generate": False, "generate_mtp": True}  # name -> use_mtp
 HF_BATCH_SIZE = 1
 HF_MODE = "hf"
+
+INTERLEAVE = ("set", "batch")  # how finely runs take turns (interleaved_batches)
 
 NumTokens = int | str  # k >= 1, 0 for plain decoding, or "auto"
 
@@ -120,3 +129,13 @@ def round_order(runs: list[BenchRun], repeat: int) -> list[BenchRun]:
     so over an even number of repeats no run always comes first or right after the same one
     (load, caches or clocks that drift within a round weigh on every run alike)."""
     return list(runs) if repeat % 2 == 0 else list(reversed(runs))
+
+
+def interleaved_batches(prompts: list[list[int]], runs: list[BenchRun], interleave: str) -> list[list[list[int]]]:
+    """``prompts`` as a round decodes them, one part after another, every run decoding each part
+    in turn: the whole set (``set``), or slices of lcm(the runs' batch sizes) prompts (``batch``;
+    at batch 1 alone, one prompt), so every run's batches are whole in every slice."""
+    if interleave == "set":
+        return [prompts]
+    size = math.lcm(*(r.batch_size for r in runs))
+    return [prompts[i : i + size] for i in range(0, len(prompts), size)]

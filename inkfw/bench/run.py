@@ -44,6 +44,7 @@ import contextlib
 import cProfile
 import os
 import platform
+import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -60,10 +61,12 @@ from inkfw.bench.kernels import kernel_bench_options, kernel_report
 from inkfw.bench.plan import (
     AUTO,
     HF_SYSTEMS,
+    INTERLEAVE,
     MODES,
     BenchRun,
     NumTokens,
     choices,
+    interleaved_batches,
     num_tokens_list,
     plan_runs,
     positive_ints,
@@ -118,6 +121,7 @@ class BenchOptions:
     ignore_eos: bool
     forward_ops: list[str]
     forward_repeats: int
+    interleave: str  # INTERLEAVE: runs take turns per prompt set or per batch
 
     def runs(self) -> list[BenchRun]:
         return plan_runs(self.drafters, self.num_tokens, self.modes, self.batch_sizes, self.hf)
@@ -126,6 +130,12 @@ class BenchOptions:
 def _count(value: Any, what: str, minimum: int = 1) -> int:
     if not is_int(value) or value < minimum:
         raise ConfigError(f"{what} must be an integer >= {minimum}, got {value!r}.")
+    return value
+
+
+def _one_of(value: Any, what: str, options: tuple[str, ...]) -> str:
+    if value not in options:
+        raise ConfigError(f"{what} must be one of {', '.join(options)}, got {plain(value)!r}.")
     return value
 
 
@@ -168,6 +178,7 @@ def bench_options(cfg: Any) -> BenchOptions:
         ignore_eos=ignore_eos,
         forward_ops=choices(cfg.forward_ops, "forward_ops", FORWARD_MODES, allow_empty=True),
         forward_repeats=_count(cfg.forward_repeats, "forward_repeats"),
+        interleave=_one_of(cfg.interleave, "interleave", INTERLEAVE),
     )
 
 
@@ -378,6 +389,40 @@ def add_speedups(rows: list[dict[str, Any]]) -> None:
         r["efficiency"] = _ratio(r["speedup_vs_plain"], r["predicted_speedup"])
 
 
+def _paired(a: list[float], b: list[float]) -> float | None:
+    """The median of ``a[i] / b[i]``: two runs' tokens/s on the same batches, paired."""
+    pairs = [x / y for x, y in zip(a, b, strict=True) if y]
+    return statistics.median(pairs) if pairs else None
+
+
+def add_paired_ratios(rows: list[dict[str, Any]]) -> None:
+    """Per inkfw row, in place, from ``batch_tokens_per_s`` (the run's tokens/s on each measured
+    decode, in the same order for every run of a prompt set): ``paired_vs_plain``, the median
+    over decodes of its tokens/s over plain decoding's on the same decode (same mode and batch
+    size); for ``auto`` rows ``paired_vs_best_k``, the lowest such median against any fixed k
+    of the same drafter, mode and batch size, plain decoding (k = 0) included, and that k as
+    ``paired_best_k``. With ``interleave=batch`` a pair is measured seconds apart, so load that
+    drifts over minutes cancels; a ratio without its baseline row is None."""
+    inkfw = [r for r in rows if r["system"] == "inkfw"]
+    for r in inkfw:
+        group = (r["prompt_set"], r["mode"], r["batch_size"])
+        same = [o for o in inkfw if (o["prompt_set"], o["mode"], o["batch_size"]) == group]
+        plain_row = next((o for o in same if o["drafter"] == "none"), None)
+        r["paired_vs_plain"] = (
+            _paired(r["batch_tokens_per_s"], plain_row["batch_tokens_per_s"]) if plain_row is not None else None
+        )
+        r["paired_vs_best_k"] = r["paired_best_k"] = None
+        if r["num_tokens"] != AUTO:
+            continue
+        fixed = [
+            o for o in same if o["drafter"] == "none" or (o["drafter"] == r["drafter"] and o["num_tokens"] != AUTO)
+        ]
+        against = [(_paired(r["batch_tokens_per_s"], o["batch_tokens_per_s"]), int(o["num_tokens"])) for o in fixed]
+        against = [(ratio, k) for ratio, k in against if ratio is not None]
+        if against:
+            r["paired_vs_best_k"], r["paired_best_k"] = min(against)
+
+
 def one_token_forward_report(model, modes: list[str], repeats: int, context: int = 32) -> dict[str, Any]:
     """Top-level (and all) aten ops and median eager wall time of a 1-token forward of ``model``
     per mode of :func:`inkfw.profiling.one_token_forwards` (what ``scripts/count_ops.py`` prints)."""
@@ -406,35 +451,37 @@ class Rounds:
     check: ExactnessCheck | None  # None: sampling, outputs not compared
     hf_timings: dict[tuple[str, str], HfTiming] = field(default_factory=dict)
     hf_vs_inkfw: dict[str, dict[str, int]] = field(default_factory=dict)  # info: HF vs inkfw at batch 1
+    # tokens/s of each measured decode, per (prompt set, run name), in one order for every run
+    batch_rates: dict[tuple[str, str], list[float]] = field(default_factory=dict)
 
     def measure(
         self,
         rep: int,
         repeats: int,
         set_name: str,
-        prompts: list[list[int]],
+        batches: list[list[list[int]]],
         runs: list[BenchRun],
         max_new_tokens: int,
         cache_time: bool,
     ) -> None:
-        """Repeat ``rep`` of every run on prompt set ``set_name``."""
-        hf_outputs: dict[str, list[list[int]]] = {}
+        """Repeat ``rep`` of every run on prompt set ``set_name``, given as ``batches``
+        (:func:`~inkfw.bench.plan.interleaved_batches`): every run decodes each in turn, in
+        ``runs``' order on even batches and reversed on odd ones; each run's outputs over all
+        batches are then checked as one."""
+        walls: dict[str, float] = dict.fromkeys((r.name for r in runs), 0.0)
+        outputs: dict[str, list[list[int]]] = {r.name: [] for r in runs}
+        for b, prompts in enumerate(batches):
+            for run in round_order(runs, b):
+                wall, outs = self._decode(run, set_name, prompts, max_new_tokens, cache_time)
+                walls[run.name] += wall
+                outputs[run.name] += outs
+                rate = sum(len(o) for o in outs) / wall if wall else 0.0
+                self.batch_rates.setdefault((set_name, run.name), []).append(rate)
         for run in runs:
-            if run.system == "hf":
-                assert self.hf is not None
-                result = self.hf.generate(prompts, max_new_tokens, run.use_mtp)
-                timing = self.hf_timings.setdefault((set_name, run.name), HfTiming())
-                timing.wall_s += result.wall_s
-                timing.tokens += result.tokens
-                timing.num_requests += len(prompts)
-                hf_outputs[run.name] = result.outputs
-                wall, tokens = result.wall_s, result.tokens
-            else:
-                requests = batch_requests(prompts, run.batch_size)
-                wall, outs = _measure(self.cases[run.engine_key], set_name, requests, max_new_tokens, cache_time)
-                tokens = sum(len(o) for o in outs)
-                if self.check is not None:
-                    self.check.add(set_name, run.batch_size, rep, run.name, outs)
+            outs, wall = outputs[run.name], walls[run.name]
+            if run.system == "inkfw" and self.check is not None:
+                self.check.add(set_name, run.batch_size, rep, run.name, outs)
+            tokens = sum(len(o) for o in outs)
             self.console.print(
                 f"  repeat {rep + 1}/{repeats} {set_name} {run.name}: {wall:.2f}s, "
                 f"{tokens / wall if wall else 0.0:.1f} tokens/s",
@@ -442,11 +489,27 @@ class Rounds:
                 highlight=False,
             )
         reference = self.check.reference_outputs(set_name, 1, rep) if self.check is not None else None
-        for name, outs in hf_outputs.items():
-            if reference is not None and len(reference) == len(outs):
-                info = self.hf_vs_inkfw.setdefault(f"{set_name} {name}", {"requests": 0, "differ": 0})
-                info["requests"] += len(outs)
-                info["differ"] += len(differing_requests(outs, reference))
+        for run in runs:
+            if run.system != "hf" or reference is None or len(reference) != len(outputs[run.name]):
+                continue
+            info = self.hf_vs_inkfw.setdefault(f"{set_name} {run.name}", {"requests": 0, "differ": 0})
+            info["requests"] += len(outputs[run.name])
+            info["differ"] += len(differing_requests(outputs[run.name], reference))
+
+    def _decode(
+        self, run: BenchRun, set_name: str, prompts: list[list[int]], max_new_tokens: int, cache_time: bool
+    ) -> tuple[float, list[list[int]]]:
+        """One measured decode of ``prompts`` by ``run`` (timings added to its totals)."""
+        if run.system == "hf":
+            assert self.hf is not None
+            result = self.hf.generate(prompts, max_new_tokens, run.use_mtp)
+            timing = self.hf_timings.setdefault((set_name, run.name), HfTiming())
+            timing.wall_s += result.wall_s
+            timing.tokens += result.tokens
+            timing.num_requests += len(prompts)
+            return result.wall_s, result.outputs
+        requests = batch_requests(prompts, run.batch_size)
+        return _measure(self.cases[run.engine_key], set_name, requests, max_new_tokens, cache_time)
 
 
 # ------------------------------------------------------------------------ the run
@@ -534,7 +597,8 @@ def run_bench(cfg: Any) -> dict[str, Any]:
     for rep in range(opts.repeats):
         order = round_order(runs, rep)
         for set_name, prompts in prompt_sets.items():
-            rounds.measure(rep, opts.repeats, set_name, prompts, order, opts.max_new_tokens, bool(cfg.cache_time))
+            batches = interleaved_batches(prompts, runs, opts.interleave)
+            rounds.measure(rep, opts.repeats, set_name, batches, order, opts.max_new_tokens, bool(cfg.cache_time))
     check = rounds.check
 
     rows: list[dict[str, Any]] = []
@@ -544,7 +608,9 @@ def run_bench(cfg: Any) -> dict[str, Any]:
                 rows.append(_hf_row(run, set_name, rounds.hf_timings[(set_name, run.name)]))
             else:
                 rows.append(_inkfw_row(cases[run.engine_key], set_name))
+            rows[-1]["batch_tokens_per_s"] = rounds.batch_rates[(set_name, run.name)]
     add_speedups(rows)
+    add_paired_ratios(rows)
     exactness = check.summary() if check is not None else unchecked_summary("sampling (temperature > 0)")
     report = {
         "config": OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg),
@@ -571,6 +637,7 @@ def run_bench(cfg: Any) -> dict[str, Any]:
         "max_new_tokens": opts.max_new_tokens,
         "ignore_eos": opts.ignore_eos,
         "repeats": opts.repeats,
+        "interleave": opts.interleave,
         "one_token_forward": forward,
         "kernels": kernels,
         "results": rows,

@@ -119,7 +119,7 @@ class CaseTiming:
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
     draft_forward_s: float = 0.0
     target_forward_s: float = 0.0
-    overhead_ratios: list[float] = field(default_factory=list)  # one per repeat
+    overhead_ratios: list[float] = field(default_factory=list)  # one per measured decode (repeat, or slice)
     cache_s: float | None = None  # cache work inside forwards (cache_time=true)
     host_reads: int = 0  # device->host reads during the measured runs (inkfw.profiling.count_host_reads)
 
