@@ -22,7 +22,7 @@ from inkfw.bench.exactness import ExactnessCheck, differing_requests, first_diff
 from inkfw.bench.hf_baseline import HfBaseline
 from inkfw.bench.plan import BenchRun, interleaved_batches, plan_runs, round_order
 from inkfw.bench.prompt_sets import batch_requests, load_prompt_set
-from inkfw.bench.run import adaptive_predicted_speedup, add_paired_ratios, add_speedups
+from inkfw.bench.run import adaptive_predicted_speedup, add_repeat_ratios, add_speedups
 from inkfw.bench.timing import predicted_speedup
 from inkfw.errors import ConfigError
 from inkfw.eval_acceptance import humaneval_prompts
@@ -197,25 +197,30 @@ def test_speedups_and_predicted_speedup():
     assert adaptive_predicted_speedup(summary, 32) is None and adaptive_predicted_speedup(None, 1) is None
 
 
-def test_paired_ratios_pair_each_decode_with_the_baselines_same_decode():
-    def row(drafter, k, rates, mode="eager", batch=1):
-        return _row("inkfw", drafter, sum(rates), mode, batch, num_tokens=k, batch_tokens_per_s=rates)
+def test_ratios_per_repeat_and_auto_against_the_fastest_fixed_k():
+    def row(drafter, k, per_repeat, mode="eager", batch=1):
+        tps = len(per_repeat) / sum(1 / x for x in per_repeat)  # equal tokens per repeat
+        return _row("inkfw", drafter, tps, mode, batch, num_tokens=k, repeat_tokens_per_s=per_repeat)
 
-    # the machine slows down 4x half way: plain and k=2 alike, so paired ratios see none of it
-    plain = row("none", 0, [100.0, 100.0, 25.0, 25.0])
-    k2 = row("mtp", 2, [150.0, 140.0, 36.0, 40.0])  # 1.5 1.4 1.44 1.6 -> median 1.47
-    k4 = row("mtp", 4, [120.0, 130.0, 33.0, 30.0])
-    auto = row("mtp", "auto", [140.0, 150.0, 36.0, 38.0])  # vs k2: 0.933 1.071 1 0.95 -> 0.975
-    other_mode = row("mtp", 2, [1.0, 1.0, 1.0, 1.0], mode="compiled")  # no plain row in its mode
-    hf = _row("hf", "none", 50.0, batch_tokens_per_s=[50.0, 50.0, 12.0, 12.0])
+    # the machine slows down 4x in repeat 2, for every run alike
+    plain = row("none", 0, [100.0, 25.0])
+    k2 = row("mtp", 2, [150.0, 35.0])
+    k4 = row("mtp", 4, [120.0, 32.0])
+    auto = row("mtp", "auto", [140.0, 38.0])
+    other_mode = row("mtp", 2, [1.0, 1.0], mode="compiled")  # no plain row in its mode
+    hf = _row("hf", "none", 50.0, repeat_tokens_per_s=[50.0, 12.0])
     rows = [hf, plain, k2, k4, auto, other_mode]
-    add_paired_ratios(rows)
-    assert "paired_vs_plain" not in hf
-    assert plain["paired_vs_plain"] == 1.0 and k2["paired_vs_plain"] == pytest.approx((1.44 + 1.5) / 2)
-    assert k2["paired_best_k"] is None and other_mode["paired_vs_plain"] is None
-    # auto trails k = 2 most (k = 4 and plain it beats)
-    assert auto["paired_best_k"] == 2 and auto["paired_vs_best_k"] == pytest.approx((0.95 + 1.0) / 2)
-    assert k4["paired_vs_plain"] == pytest.approx((1.3 + 1.2) / 2)
+    add_repeat_ratios(rows)
+    assert "speedup_vs_plain_per_repeat" not in hf and "best_k" not in hf
+    assert plain["speedup_vs_plain_per_repeat"] == [1.0, 1.0]
+    assert k2["speedup_vs_plain_per_repeat"] == pytest.approx([1.5, 1.4])
+    assert k2["best_k"] is None and other_mode["speedup_vs_plain_per_repeat"] is None
+    # k = 2 has the most tokens/s over both repeats (41.1 / 60.0 / 37.0 / 40.0 at k = 0 / 2 / 4 / auto)
+    assert auto["best_k"] == 2 and auto["vs_best_k"] == pytest.approx(auto["tokens_per_s"] / k2["tokens_per_s"])
+    assert auto["vs_best_k_per_repeat"] == pytest.approx([140 / 150, 38 / 35])
+    lone = row("mtp", "auto", [1.0], mode="graphs")  # no fixed k and no plain run beside it
+    add_repeat_ratios([lone])
+    assert lone["best_k"] is None and lone["vs_best_k"] is None and lone["speedup_vs_plain_per_repeat"] is None
 
 
 def _report(results, exactness):
@@ -246,17 +251,25 @@ def test_renderings_of_auto_rows_and_a_failed_check(tmp_path):
                  acceptance_per_position=[], chosen_k=None, speedup_vs_hf=2.0, speedup_vs_plain=1.0, **overhead)  # fmt: skip
     auto = _row("inkfw", "mtp", 30.0, name="eager mtp k=auto b1", num_tokens="auto", mean_acceptance_length=2.5,
                 acceptance_per_position=[0.8, 0.7], chosen_k={"2": 30, "0": 4}, speedup_vs_hf=1.5,
-                speedup_vs_plain=0.75, predicted_speedup=1.5, efficiency=0.5, paired_vs_plain=0.8,
-                paired_vs_best_k=0.9, paired_best_k=3, **overhead)  # fmt: skip
+                speedup_vs_plain=0.75, predicted_speedup=1.5, efficiency=0.5,
+                speedup_vs_plain_per_repeat=[0.7, 0.8], vs_best_k=0.9, best_k=3,
+                vs_best_k_per_repeat=[0.85, 0.93], **overhead)  # fmt: skip
     failed = ExactnessCheck()
     failed.add("s", 1, 0, "eager none b1", [[1, 2]])
     failed.add("s", 1, 0, "eager mtp k=auto b1", [[1, 3]])
     report = _report([hf, plain, auto], failed.summary())
     text = rendered(bench_table(report))
-    assert "0:4 2:30" in text and "80 70" in text and "0.75x" in text and "0.50" in text and "0.90x (k=3)" in text
+    assert (
+        "0:4 2:30" in text
+        and "80 70" in text
+        and "0.75x" in text
+        and "0.50" in text
+        and "0.90x of k=3 (0.85-0.93)" in text
+    )
     md = bench_markdown(report)
     assert (
-        "| s | eager mtp k=auto b1 | 30.0 | 1.50x | - | 0.75x | 0.80x | 0.90x (k=3) | 2.50 | 1.50x | 0.50 | 1.0 | 3.5 "
+        "| s | eager mtp k=auto b1 | 30.0 | 1.50x | - | 0.75x | 0.70-0.80 | 0.90x of k=3 (0.85-0.93) | 2.50 | 1.50x "
+        "| 0.50 | 1.0 | 3.5 "
         "| 80 70 | 0:4 2:30 |" in md
     )
     assert "| s | hf generate | 20.0 | 1.00x | - | - | - | - | - | - | - | - | - | - | - |" in md
@@ -364,32 +377,33 @@ def test_debug_preset_overhead_and_profile(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("interleave", ["batch", "set"])
-def test_interleaved_runs_give_paired_ratios(interleave, capsys):
+def test_interleaved_runs_and_their_ratios_per_repeat(interleave, capsys):
     """Batch 1, three prompts, two repeats: with interleave=batch every run decodes each prompt in
     turn (reversed on every other prompt), with set each run a whole set; either way each run's
-    outputs are checked as one, and the paired ratios are the medians of the per-decode ratios."""
+    outputs are checked as one, and its tokens/s per repeat are its decodes of that repeat."""
     report = run_bench(
         bench_cfg(*DEBUG, "batch_sizes=[1]", "num_prompts=3", "num_tokens=[2,auto]", "repeats=2",
                   f"interleave={interleave}", "output_dir=null")
     )  # fmt: skip
     assert report["interleave"] == interleave
-    decodes = 3 * 2 if interleave == "batch" else 2  # per run: prompts x repeats, or repeats
+    per_repeat = 3 if interleave == "batch" else 1  # decodes per run and repeat
     rows = {r["num_tokens"]: r for r in report["results"]}
     plain, k2, auto = rows[0], rows[2], rows["auto"]
     for r in (plain, k2, auto):
-        assert r["tokens"] == 2 * 3 * 5 and len(r["batch_tokens_per_s"]) == decodes
-        assert sum(r["overhead_ratio_per_repeat"]) > 0 and len(r["overhead_ratio_per_repeat"]) == decodes
-
-    def median_ratio(a, b):
-        ratios = sorted(x / y for x, y in zip(a["batch_tokens_per_s"], b["batch_tokens_per_s"]))
-        return (ratios[(len(ratios) - 1) // 2] + ratios[len(ratios) // 2]) / 2
-
-    assert plain["paired_vs_plain"] == 1.0 and k2["paired_vs_plain"] == pytest.approx(median_ratio(k2, plain))
-    against = {0: median_ratio(auto, plain), 2: median_ratio(auto, k2)}
-    assert auto["paired_vs_best_k"] == pytest.approx(min(against.values()))
-    assert auto["paired_best_k"] == min(against, key=lambda k: against[k]) and k2["paired_best_k"] is None
+        decodes = r["decodes"]
+        assert r["tokens"] == 2 * 3 * 5 and len(decodes) == 2 * per_repeat
+        assert [tokens for tokens, _ in decodes] == [15 // per_repeat] * len(decodes)
+        assert sum(wall for _, wall in decodes) == pytest.approx(r["wall_s"])
+        halves = [decodes[:per_repeat], decodes[per_repeat:]]
+        assert r["repeat_tokens_per_s"] == pytest.approx([15 / sum(w for _, w in h) for h in halves])
+        assert r["speedup_vs_plain_per_repeat"] == pytest.approx(
+            [a / b for a, b in zip(r["repeat_tokens_per_s"], plain["repeat_tokens_per_s"])]
+        )
+    fastest = max((plain, k2), key=lambda r: r["tokens_per_s"])
+    assert auto["best_k"] == fastest["num_tokens"] and k2["best_k"] is None
+    assert auto["vs_best_k"] == pytest.approx(auto["tokens_per_s"] / fastest["tokens_per_s"])
     assert report["exactness"]["ok"] and report["exactness"]["runs_compared"] == 2 * 2  # k=2, auto per repeat
-    measured = [line.split(":")[0].split()[1:] for line in capsys.readouterr().out.splitlines() if " repeat " in line]
+    measured = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  repeat ")]
     assert len(measured) == 2 * 3  # one line per run and repeat, whatever the interleaving
 
 

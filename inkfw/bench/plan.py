@@ -15,8 +15,8 @@ run alike, in the plan's order and reversed in turn (:func:`round_order`). Runs 
 How finely runs take turns is ``interleave`` (:func:`interleaved_batches`): ``set``, each run
 decodes a whole prompt set before the next starts; ``batch``, the set is cut into batches of
 lcm(batch sizes) prompts and every run decodes each batch in turn (reversed on every other batch),
-so neighbouring runs are seconds apart, not minutes, and each batch gives a *paired* ratio of
-two runs measured under the same load (:func:`inkfw.bench.run.add_paired_ratios`).
+so neighbouring runs are seconds apart, not minutes, and load that drifts weighs on every run
+alike (the ratios per repeat, :func:`inkfw.bench.run.add_repeat_ratios`, show what is left).
 """
 
 from __future__ import annotations

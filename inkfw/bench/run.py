@@ -44,7 +44,6 @@ import contextlib
 import cProfile
 import os
 import platform
-import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -389,38 +388,43 @@ def add_speedups(rows: list[dict[str, Any]]) -> None:
         r["efficiency"] = _ratio(r["speedup_vs_plain"], r["predicted_speedup"])
 
 
-def _paired(a: list[float], b: list[float]) -> float | None:
-    """The median of ``a[i] / b[i]``: two runs' tokens/s on the same batches, paired."""
-    pairs = [x / y for x, y in zip(a, b, strict=True) if y]
-    return statistics.median(pairs) if pairs else None
+def _per_repeat(a: list[float] | None, b: list[float] | None) -> list[float] | None:
+    """Two runs' tokens/s ratio in each repeat (``repeat_tokens_per_s``), or None without both."""
+    if a is None or b is None:
+        return None
+    return [x / y if y else 0.0 for x, y in zip(a, b, strict=True)]
 
 
-def add_paired_ratios(rows: list[dict[str, Any]]) -> None:
-    """Per inkfw row, in place, from ``batch_tokens_per_s`` (the run's tokens/s on each measured
-    decode, in the same order for every run of a prompt set): ``paired_vs_plain``, the median
-    over decodes of its tokens/s over plain decoding's on the same decode (same mode and batch
-    size); for ``auto`` rows ``paired_vs_best_k``, the lowest such median against any fixed k
-    of the same drafter, mode and batch size, plain decoding (k = 0) included, and that k as
-    ``paired_best_k``. With ``interleave=batch`` a pair is measured seconds apart, so load that
-    drifts over minutes cancels; a ratio without its baseline row is None."""
+def add_repeat_ratios(rows: list[dict[str, Any]]) -> None:
+    """Per inkfw row, in place, from ``repeat_tokens_per_s`` (its tokens/s in each repeat):
+    ``speedup_vs_plain_per_repeat``, the ratio over plain decoding (same mode and batch size)
+    repeat by repeat, whose spread shows the timing noise of ``speedup_vs_plain``; for ``auto``
+    rows ``best_k``, the fixed k (plain decoding as 0) of the same drafter, mode and batch size
+    with the most tokens/s, ``vs_best_k`` = auto's tokens/s over that k's, and
+    ``vs_best_k_per_repeat``. Per repeat, not per prompt: acceptance varies 3x between prompts,
+    so a median of per-prompt ratios would not be a ratio of throughputs."""
     inkfw = [r for r in rows if r["system"] == "inkfw"]
     for r in inkfw:
-        group = (r["prompt_set"], r["mode"], r["batch_size"])
-        same = [o for o in inkfw if (o["prompt_set"], o["mode"], o["batch_size"]) == group]
+        same = [
+            o
+            for o in inkfw
+            if (o["prompt_set"], o["mode"], o["batch_size"]) == (r["prompt_set"], r["mode"], r["batch_size"])
+        ]
         plain_row = next((o for o in same if o["drafter"] == "none"), None)
-        r["paired_vs_plain"] = (
-            _paired(r["batch_tokens_per_s"], plain_row["batch_tokens_per_s"]) if plain_row is not None else None
+        repeat_tps = r.get("repeat_tokens_per_s")
+        r["speedup_vs_plain_per_repeat"] = _per_repeat(
+            repeat_tps, plain_row.get("repeat_tokens_per_s") if plain_row is not None else None
         )
-        r["paired_vs_best_k"] = r["paired_best_k"] = None
-        if r["num_tokens"] != AUTO:
-            continue
+        r["best_k"] = r["vs_best_k"] = r["vs_best_k_per_repeat"] = None
         fixed = [
             o for o in same if o["drafter"] == "none" or (o["drafter"] == r["drafter"] and o["num_tokens"] != AUTO)
         ]
-        against = [(_paired(r["batch_tokens_per_s"], o["batch_tokens_per_s"]), int(o["num_tokens"])) for o in fixed]
-        against = [(ratio, k) for ratio, k in against if ratio is not None]
-        if against:
-            r["paired_vs_best_k"], r["paired_best_k"] = min(against)
+        if r["num_tokens"] != AUTO or not fixed:
+            continue
+        best = max(fixed, key=lambda o: o["tokens_per_s"])
+        r["best_k"] = int(best["num_tokens"])
+        r["vs_best_k"] = _ratio(r["tokens_per_s"], best["tokens_per_s"])
+        r["vs_best_k_per_repeat"] = _per_repeat(repeat_tps, best.get("repeat_tokens_per_s"))
 
 
 def one_token_forward_report(model, modes: list[str], repeats: int, context: int = 32) -> dict[str, Any]:
@@ -451,8 +455,17 @@ class Rounds:
     check: ExactnessCheck | None  # None: sampling, outputs not compared
     hf_timings: dict[tuple[str, str], HfTiming] = field(default_factory=dict)
     hf_vs_inkfw: dict[str, dict[str, int]] = field(default_factory=dict)  # info: HF vs inkfw at batch 1
-    # tokens/s of each measured decode, per (prompt set, run name), in one order for every run
-    batch_rates: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    # per (prompt set, run name): (repeat, tokens, wall seconds) of each measured decode, in order
+    decodes: dict[tuple[str, str], list[tuple[int, int, float]]] = field(default_factory=dict)
+
+    def repeat_tokens_per_s(self, set_name: str, run_name: str) -> list[float]:
+        """The run's tokens/s on ``set_name`` in each repeat (its decodes of that repeat together)."""
+        totals: dict[int, list[float]] = {}
+        for rep, tokens, wall in self.decodes[(set_name, run_name)]:
+            total = totals.setdefault(rep, [0.0, 0.0])
+            total[0] += tokens
+            total[1] += wall
+        return [tokens / wall if wall else 0.0 for tokens, wall in totals.values()]
 
     def measure(
         self,
@@ -475,8 +488,7 @@ class Rounds:
                 wall, outs = self._decode(run, set_name, prompts, max_new_tokens, cache_time)
                 walls[run.name] += wall
                 outputs[run.name] += outs
-                rate = sum(len(o) for o in outs) / wall if wall else 0.0
-                self.batch_rates.setdefault((set_name, run.name), []).append(rate)
+                self.decodes.setdefault((set_name, run.name), []).append((rep, sum(len(o) for o in outs), wall))
         for run in runs:
             outs, wall = outputs[run.name], walls[run.name]
             if run.system == "inkfw" and self.check is not None:
@@ -608,9 +620,10 @@ def run_bench(cfg: Any) -> dict[str, Any]:
                 rows.append(_hf_row(run, set_name, rounds.hf_timings[(set_name, run.name)]))
             else:
                 rows.append(_inkfw_row(cases[run.engine_key], set_name))
-            rows[-1]["batch_tokens_per_s"] = rounds.batch_rates[(set_name, run.name)]
+            rows[-1]["repeat_tokens_per_s"] = rounds.repeat_tokens_per_s(set_name, run.name)
+            rows[-1]["decodes"] = [[tokens, wall] for _, tokens, wall in rounds.decodes[(set_name, run.name)]]
     add_speedups(rows)
-    add_paired_ratios(rows)
+    add_repeat_ratios(rows)
     exactness = check.summary() if check is not None else unchecked_summary("sampling (temperature > 0)")
     report = {
         "config": OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg),
