@@ -253,7 +253,7 @@ def _bench_cells(r: dict[str, Any]) -> list[str]:
         _times(r.get("speedup_vs_hf")),
         _times(r.get("speedup_vs_hf_mtp")),
         _times(r.get("speedup_vs_plain")),
-        _range(r.get("speedup_vs_plain_per_repeat")),
+        _range(r.get("speedup_vs_plain_per_repeat")) if r["drafter"] != "none" else "-",
         _against_best_k(r),
         f"{r['mean_acceptance_length']:.2f}" if inkfw else "-",
         _times(r.get("predicted_speedup")),
