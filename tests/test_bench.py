@@ -448,6 +448,7 @@ def test_gpu_preset_runs_on_a_cpu_with_a_tiny_override(tmp_path):
         (["repeats=0"], "repeats"),
         (["modes=[eager,turbo]"], "modes must be a list drawn from eager, compiled, graphs, compiled_graphs"),
         (["num_tokens=[2,0]"], "num_tokens must be a non-empty list of integers >= 1 and/or auto"),
+        (["interleave=prompt"], "interleave must be one of set, batch, got 'prompt'"),
         (["hf=[generate,vllm]"], "hf must be a list drawn from generate, generate_mtp"),
         (["spec.num_tokens=4"], "give num_tokens=[4] instead"),
         (["num_prompts=0"], "num_prompts"),
