@@ -346,7 +346,8 @@ def _pyplot():
 
 def bench_plot(report: dict[str, Any], path: str | Path) -> bool:
     """Tokens/s against k (plain decoding at k = 0, ``auto`` last), one line per mode, drafter
-    and batch size, HF's baselines dashed; one panel per prompt set. False without matplotlib."""
+    and batch size, with a bar from the slowest to the fastest repeat (``repeat_tokens_per_s``)
+    at each point; HF's baselines dashed; one panel per prompt set. False without matplotlib."""
     plt = _pyplot()
     if plt is None:
         return False
@@ -359,21 +360,33 @@ def bench_plot(report: dict[str, Any], path: str | Path) -> bool:
     for ax, name in zip(axes[0], sets):
         mine = [r for r in rows if r["prompt_set"] == name]
         lines: dict[tuple[str, str, int], dict[Any, float]] = {}
+        spreads: dict[tuple[str, str, int], dict[Any, list[float]]] = {}  # tokens/s per repeat
         for r in mine:
             if r["system"] != "inkfw":
                 continue
             drafters = [d for d in dict.fromkeys(x["drafter"] for x in mine if x["system"] == "inkfw") if d != "none"]
             for drafter in drafters if r["drafter"] == "none" else [r["drafter"]]:  # plain starts every line
-                lines.setdefault((r["mode"], drafter, r["batch_size"]), {})[r["num_tokens"]] = r["tokens_per_s"]
+                key = (r["mode"], drafter, r["batch_size"])
+                lines.setdefault(key, {})[r["num_tokens"]] = r["tokens_per_s"]
+                spreads.setdefault(key, {})[r["num_tokens"]] = r.get("repeat_tokens_per_s") or []
         for (mode, drafter, batch), points in lines.items():
             order = sorted(points, key=lambda k: xs[k])
-            ax.plot([xs[k] for k in order], [points[k] for k in order], marker="o", label=f"{mode} {drafter} b{batch}")
+            (line,) = ax.plot(
+                [xs[k] for k in order], [points[k] for k in order], marker="o", label=f"{mode} {drafter} b{batch}"
+            )
+            bars = [(xs[k], min(v), max(v)) for k, v in spreads[(mode, drafter, batch)].items() if len(v) > 1]
+            if bars:
+                x, low, high = zip(*bars)
+                ax.vlines(x, low, high, color=line.get_color(), alpha=0.5, linewidth=3)
         for r, color in zip([r for r in mine if r["system"] == "hf"], ("black", "gray")):
             ax.axhline(r["tokens_per_s"], color=color, linestyle="--", linewidth=1, label=r["name"])
         ax.set_xticks(list(xs.values()), ["plain" if k == 0 else str(k) for k in xs])
         ax.set_xlabel("k (draft tokens per step)")
         ax.set_ylabel("tokens/s")
-        ax.set_title(name)
+        ax.set_title(
+            name
+            + (f" (bars: slowest to fastest of {report['repeats']} repeats)" if report.get("repeats", 1) > 1 else "")
+        )
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -377,7 +377,7 @@ def test_debug_preset_overhead_and_profile(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("interleave", ["batch", "set"])
-def test_interleaved_runs_and_their_ratios_per_repeat(interleave, capsys):
+def test_interleaved_runs_and_their_ratios_per_repeat(interleave, capsys, tmp_path):
     """Batch 1, three prompts, two repeats: with interleave=batch every run decodes each prompt in
     turn (reversed on every other prompt), with set each run a whole set; either way each run's
     outputs are checked as one, and its tokens/s per repeat are its decodes of that repeat."""
@@ -405,6 +405,8 @@ def test_interleaved_runs_and_their_ratios_per_repeat(interleave, capsys):
     assert report["exactness"]["ok"] and report["exactness"]["runs_compared"] == 2 * 2  # k=2, auto per repeat
     measured = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  repeat ")]
     assert len(measured) == 2 * 3  # one line per run and repeat, whatever the interleaving
+    assert bench_plot(report, tmp_path / "bench.png")  # with a bar per point: the repeats' spread
+    assert (tmp_path / "bench.png").read_bytes()[:8] == PNG
 
 
 def test_gpu_preset_runs_on_a_cpu_with_a_tiny_override(tmp_path):
