@@ -14,13 +14,16 @@ the same ``max_new_tokens`` for all. Every engine is built once through the serv
 (:func:`~inkfw.speculative.factory.build_engine`, around the one shared model) and warmed up
 (:meth:`Engine.warmup` for its batch size, timed as ``warmup_s``, then a short unmeasured
 generate of one batch per prompt set); neither counts in tokens/s. A round decodes every prompt set with every run; the
-benchmark makes ``repeats`` rounds, every other one in reverse order, and sums them.
+benchmark makes ``repeats`` rounds, every other one in reverse order, and sums them. Within a
+round runs take turns per slice of prompts (``interleave=batch``) or per prompt set
+(``interleave=set``; :func:`~inkfw.bench.plan.interleaved_batches`).
 
 Reported per run (``bench.json``; rendered by :mod:`inkfw.reporting`):
 
 * tokens/s = generated tokens / wall time of ``Engine.generate`` (HF: of the ``generate``
   calls), and the speed-up over HF ``generate``, HF ``generate(use_mtp=True)`` and inkfw plain
-  decoding in the same mode at the same batch size;
+  decoding in the same mode at the same batch size, the last also per repeat, and ``auto``
+  against the fastest fixed k (:func:`add_repeat_ratios`);
 * mean acceptance length, per-position and conditional acceptance (docs/design.md §6);
 * predicted speed-up (:func:`inkfw.bench.timing.predicted_speedup`) and efficiency =
   measured / predicted speed-up over plain decoding;
