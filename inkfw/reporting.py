@@ -180,8 +180,13 @@ def infer_table(metrics: dict[str, Any], model: str, title: str = "inkfw infer")
     return table
 
 
-def _spread(values: Sequence[float]) -> str:
-    return f"{min(values):.3f}-{max(values):.3f}" if len(values) > 1 else f"{values[0]:.3f}"
+def _spread(values: Sequence[float] | None, digits: int = 3) -> str:
+    """Values per repeat as ``lowest-highest`` (one value: itself), or ``-`` without any."""
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{min(values):.{digits}f}-{max(values):.{digits}f}"
 
 
 def _has_cache_time(results: Sequence[dict[str, Any]]) -> bool:
@@ -227,19 +232,12 @@ def _chosen_k(chosen: dict[str, int] | None) -> str:
     return " ".join(f"{k}:{n}" for k, n in sorted(chosen.items(), key=lambda kv: int(kv[0])))
 
 
-def _range(xs: Sequence[float] | None) -> str:
-    """Ratios per repeat as ``1.07-1.14`` (one repeat: ``1.07``), or ``-``."""
-    if not xs:
-        return "-"
-    return f"{xs[0]:.2f}" if len(xs) == 1 else f"{min(xs):.2f}-{max(xs):.2f}"
-
-
 def _against_best_k(r: dict[str, Any]) -> str:
     """An auto row against the fastest fixed k, as ``0.89x of k=7 (0.84-0.94)``, or ``-``."""
     ratio = r.get("vs_best_k")
     if ratio is None:
         return "-"
-    return f"{ratio:.2f}x of k={r['best_k']} ({_range(r.get('vs_best_k_per_repeat'))})"
+    return f"{ratio:.2f}x of k={r['best_k']} ({_spread(r.get('vs_best_k_per_repeat'), 2)})"
 
 
 def _bench_cells(r: dict[str, Any]) -> list[str]:
@@ -253,7 +251,7 @@ def _bench_cells(r: dict[str, Any]) -> list[str]:
         _times(r.get("speedup_vs_hf")),
         _times(r.get("speedup_vs_hf_mtp")),
         _times(r.get("speedup_vs_plain")),
-        _range(r.get("speedup_vs_plain_per_repeat")) if r["drafter"] != "none" else "-",
+        _spread(r.get("speedup_vs_plain_per_repeat"), 2) if r["drafter"] != "none" else "-",
         _against_best_k(r),
         f"{r['mean_acceptance_length']:.2f}" if inkfw else "-",
         _times(r.get("predicted_speedup")),

@@ -368,6 +368,16 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def _group(r: dict[str, Any]) -> tuple[str, str, int]:
+    """Rows compared with each other: same prompt set, mode and batch size."""
+    return (r["prompt_set"], r["mode"], r["batch_size"])
+
+
+def _plain_rows(rows: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[str, Any]]:
+    """Each :func:`_group`'s inkfw plain-decoding row."""
+    return {_group(r): r for r in rows if r["system"] == "inkfw" and r["drafter"] == "none"}
+
+
 def add_speedups(rows: list[dict[str, Any]]) -> None:
     """Per row, in place: tokens/s over HF ``generate`` and ``generate(use_mtp=True)`` of the same
     prompt set (``speedup_vs_hf``, ``speedup_vs_hf_mtp``); for inkfw rows also over plain
@@ -375,17 +385,13 @@ def add_speedups(rows: list[dict[str, Any]]) -> None:
     and step cost predict (``predicted_speedup``) and measured / predicted (``efficiency``).
     A ratio without its baseline row is None."""
     hf = {(r["prompt_set"], r["drafter"]): r["tokens_per_s"] for r in rows if r["system"] == "hf"}
-    plain_rows = {
-        (r["prompt_set"], r["mode"], r["batch_size"]): r
-        for r in rows
-        if r["system"] == "inkfw" and r["drafter"] == "none"
-    }
+    plain_rows = _plain_rows(rows)
     for r in rows:
         r["speedup_vs_hf"] = _ratio(r["tokens_per_s"], hf.get((r["prompt_set"], "none")))
         r["speedup_vs_hf_mtp"] = _ratio(r["tokens_per_s"], hf.get((r["prompt_set"], "mtp")))
         if r["system"] != "inkfw":
             continue
-        base = plain_rows.get((r["prompt_set"], r["mode"], r["batch_size"]))
+        base = plain_rows.get(_group(r))
         r["speedup_vs_plain"] = _ratio(r["tokens_per_s"], base["tokens_per_s"]) if base else None
         r["predicted_speedup"] = predicted_speedup(r, base) if base else None
         r["efficiency"] = _ratio(r["speedup_vs_plain"], r["predicted_speedup"])
@@ -407,20 +413,19 @@ def add_repeat_ratios(rows: list[dict[str, Any]]) -> None:
     ``vs_best_k_per_repeat``. Per repeat, not per prompt: acceptance varies 3x between prompts,
     so a median of per-prompt ratios would not be a ratio of throughputs."""
     inkfw = [r for r in rows if r["system"] == "inkfw"]
+    plain_rows = _plain_rows(rows)
     for r in inkfw:
-        same = [
-            o
-            for o in inkfw
-            if (o["prompt_set"], o["mode"], o["batch_size"]) == (r["prompt_set"], r["mode"], r["batch_size"])
-        ]
-        plain_row = next((o for o in same if o["drafter"] == "none"), None)
+        plain_row = plain_rows.get(_group(r))
         repeat_tps = r.get("repeat_tokens_per_s")
         r["speedup_vs_plain_per_repeat"] = _per_repeat(
             repeat_tps, plain_row.get("repeat_tokens_per_s") if plain_row is not None else None
         )
         r["best_k"] = r["vs_best_k"] = r["vs_best_k_per_repeat"] = None
         fixed = [
-            o for o in same if o["drafter"] == "none" or (o["drafter"] == r["drafter"] and o["num_tokens"] != AUTO)
+            o
+            for o in inkfw
+            if _group(o) == _group(r)
+            and (o["drafter"] == "none" or (o["drafter"] == r["drafter"] and o["num_tokens"] != AUTO))
         ]
         if r["num_tokens"] != AUTO or not fixed:
             continue
@@ -461,14 +466,17 @@ class Rounds:
     # per (prompt set, run name): (repeat, tokens, wall seconds) of each measured decode, in order
     decodes: dict[tuple[str, str], list[tuple[int, int, float]]] = field(default_factory=dict)
 
-    def repeat_tokens_per_s(self, set_name: str, run_name: str) -> list[float]:
-        """The run's tokens/s on ``set_name`` in each repeat (its decodes of that repeat together)."""
-        totals: dict[int, list[float]] = {}
+    def repeat_totals(self, set_name: str, run_name: str) -> dict[int, tuple[int, float]]:
+        """The run's (tokens, wall seconds) on ``set_name`` per repeat: its decodes of that repeat."""
+        totals: dict[int, tuple[int, float]] = {}
         for rep, tokens, wall in self.decodes[(set_name, run_name)]:
-            total = totals.setdefault(rep, [0.0, 0.0])
-            total[0] += tokens
-            total[1] += wall
-        return [tokens / wall if wall else 0.0 for tokens, wall in totals.values()]
+            done, seconds = totals.get(rep, (0, 0.0))
+            totals[rep] = (done + tokens, seconds + wall)
+        return totals
+
+    def repeat_tokens_per_s(self, set_name: str, run_name: str) -> list[float]:
+        """The run's tokens/s on ``set_name`` in each repeat."""
+        return [tokens / wall if wall else 0.0 for tokens, wall in self.repeat_totals(set_name, run_name).values()]
 
     def measure(
         self,
@@ -484,19 +492,16 @@ class Rounds:
         (:func:`~inkfw.bench.plan.interleaved_batches`): every run decodes each in turn, in
         ``runs``' order on even batches and reversed on odd ones; each run's outputs over all
         batches are then checked as one."""
-        walls: dict[str, float] = dict.fromkeys((r.name for r in runs), 0.0)
         outputs: dict[str, list[list[int]]] = {r.name: [] for r in runs}
         for b, prompts in enumerate(batches):
             for run in round_order(runs, b):
                 wall, outs = self._decode(run, set_name, prompts, max_new_tokens, cache_time)
-                walls[run.name] += wall
                 outputs[run.name] += outs
                 self.decodes.setdefault((set_name, run.name), []).append((rep, sum(len(o) for o in outs), wall))
         for run in runs:
-            outs, wall = outputs[run.name], walls[run.name]
             if run.system == "inkfw" and self.check is not None:
-                self.check.add(set_name, run.batch_size, rep, run.name, outs)
-            tokens = sum(len(o) for o in outs)
+                self.check.add(set_name, run.batch_size, rep, run.name, outputs[run.name])
+            tokens, wall = self.repeat_totals(set_name, run.name)[rep]
             self.console.print(
                 f"  repeat {rep + 1}/{repeats} {set_name} {run.name}: {wall:.2f}s, "
                 f"{tokens / wall if wall else 0.0:.1f} tokens/s",
