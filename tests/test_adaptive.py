@@ -203,9 +203,10 @@ def test_without_costs_the_fallback_model_is_used():
 
 
 def test_probing_happens_exactly_every_probe_every_steps_per_bucket():
-    adaptive = AdaptiveK(max_k=6, probe_every=5, probe_budget=0.0, max_backoff=0)
-    adaptive.set_costs(2, [1.0 + k for k in range(7)])  # best is 0
-    adaptive.set_costs(8, [1.0 + k for k in range(7)])
+    # every estimate 0 (a prior of 0, nothing observed): best is 0, though all accepted k = 6 would pay
+    adaptive = AdaptiveK(max_k=6, prior_acceptance=0.0, probe_every=5, probe_budget=0.0, max_backoff=0)
+    adaptive.set_costs(2, [1.0 + 0.5 * k for k in range(7)])
+    adaptive.set_costs(8, [1.0 + 0.5 * k for k in range(7)])
     picks = [adaptive.choose(2) for _ in range(20)]
     assert [i + 1 for i, k in enumerate(picks) if k == 6] == [5, 10, 15, 20]
     assert all(k == 0 for i, k in enumerate(picks) if (i + 1) % 5)
@@ -363,25 +364,49 @@ def test_new_costs_restart_the_probe_schedule():
         adaptive.choose(1)  # fallback costs: k = 2 best; probes at 5 and 10, the next at 20
     assert adaptive.probes == 2 and adaptive._backoff[1] == 1 and adaptive.steps_to_probe(1) == 5
     assert adaptive.choose(4) == 2 and adaptive.steps_to_probe(4) == 4
-    adaptive.set_costs(1, [1.0, 3.0, 4.0])  # k = 0 best; a probe costs 4 - 1.75 = 2.25 steps: every 45
-    assert adaptive.best_k(1) == 0 and adaptive.probe_interval(1, 0) == 45
-    assert adaptive.steps_to_probe(1) == 45 and adaptive._backoff[1] == 0
-    picks = [adaptive.choose(1) for _ in range(45)]
-    assert [i + 1 for i, k in enumerate(picks) if k == 2] == [45]
+    adaptive.set_costs(1, [1.0, 2.0, 2.75])  # k = 0 best; a probe costs 2.75 - 1.75 = 1 step: every 20
+    assert adaptive.best_k(1) == 0 and adaptive.probe_interval(1, 0) == 20
+    assert adaptive.steps_to_probe(1) == 20 and adaptive._backoff[1] == 0
+    picks = [adaptive.choose(1) for _ in range(20)]
+    assert [i + 1 for i, k in enumerate(picks) if k == 2] == [20]
     assert adaptive.steps_to_probe(4) == 4  # untouched
 
 
 def test_plain_steps_bring_probes_due():
     """Steps in which no request drafted (plain_step) count towards the next probe: a probe is
     due by decode steps, and runs at the next choose() call."""
-    adaptive = AdaptiveK(max_k=3, probe_every=5, probe_budget=0.0, max_backoff=0)
-    adaptive.set_costs(1, [1.0, 10.0, 10.0, 10.0])
+    adaptive = AdaptiveK(max_k=3, prior_acceptance=0.0, probe_every=5, probe_budget=0.0, max_backoff=0)
+    adaptive.set_costs(1, [1.0, 3.0, 3.0, 3.0])  # estimates 0: k = 0 best (all accepted, k = 3 would pay)
     assert adaptive.choose(1) == 0 and adaptive.steps_to_probe(1) == 4
     for _ in range(6):
         adaptive.plain_step(1)
     assert adaptive.steps_to_probe(1) == -2 and adaptive.probes == 0  # overdue: nothing chose yet
     assert adaptive.choose(1) == 3 and adaptive.probes == 1
     assert adaptive.steps_to_probe(1) == 5 and adaptive.chosen == {0: 1, 3: 1}
+
+
+def test_no_probes_where_no_acceptance_could_make_drafting_pay():
+    """At bucket 16 a step at k costs about k + 1 plain steps (a compute-bound verify): even with
+    every draft accepted, k = 8 emits 9 tokens for 8.6 steps, 4.7 % more tokens/s, short of the
+    5 % drafting must promise (shallow k < 8 less, with their catch-up). No observation could change the choice (k = 0), so bucket 16 is
+    never probed and its requests can decode plainly from admission; bucket 1, where drafting
+    could pay, is probed as before. Costs as measured at batch 16 (eager, shipped checkpoint)."""
+    step_s = [0.0331, 0.0544, 0.0873, 0.1201, 0.1530, 0.1859, 0.2187, 0.2516, 0.2845]
+    catch_up_s = [0.0] + [0.0057] * 7 + [0.0]  # shallow k < 8 pay later for the depths they skip
+    adaptive = AdaptiveK(max_k=8, prior_acceptance=0.0, probe_every=5, probe_budget=0.0, max_backoff=0)
+    adaptive.set_costs(16, step_s, catch_up_s)
+    adaptive.set_costs(1, [1.0] + [2.0] * 8)
+    assert not adaptive.drafting_could_pay(16) and adaptive.drafting_could_pay(1)
+    assert adaptive.steps_to_probe(16) == math.inf and adaptive.steps_to_probe(1) == 5
+    assert {adaptive.choose(16) for _ in range(200)} == {0}
+    assert [adaptive.choose(1) for _ in range(5)] == [0, 0, 0, 0, 8]
+    assert adaptive.probes == 1
+    adaptive.set_costs(16, [0.0331] + [0.05] * 8)  # cheaper drafting could pay: probed again
+    assert adaptive.drafting_could_pay(16) and adaptive.steps_to_probe(16) == 5
+    # with min_gain 0 the 4.7 % of the measured costs is enough
+    lenient = AdaptiveK(max_k=8, prior_acceptance=0.0, min_gain=0.0)
+    lenient.set_costs(16, step_s, catch_up_s)
+    assert lenient.drafting_could_pay(16)
 
 
 def test_probing_can_be_switched_off():

@@ -447,10 +447,11 @@ def test_auto_k_equals_plain_and_measures_costs(model):
     assert engine.k_chosen[2] == adaptive.chosen[2]  # rounds that drafted k_max
 
 
-def test_auto_k_lag_catches_up_exactly(model):
-    """Costs that make k = 0 best and a probe every 4th round: decode spans wait in the lag and
-    the probing round drafts over all of them at once. check_drafts compares every draft of
-    those catch-up rounds with the uncached reference (DraftCheckError otherwise)."""
+def test_auto_k_lag_catches_up_exactly(model, monkeypatch):
+    """Costs that make k = 0 best and a probe every 4th round (forced: at these costs no acceptance
+    could make drafting pay, which would stop probes): decode spans wait in the lag and the
+    probing round drafts over all of them at once. check_drafts compares every draft of those
+    catch-up rounds with the uncached reference (DraftCheckError otherwise)."""
     prompts, new = prompts_of(60, 2), 14
     engine, _ = make_engine(model, AUTO, check_drafts=True)
     adaptive = engine.adaptive
@@ -459,6 +460,7 @@ def test_auto_k_lag_catches_up_exactly(model):
     for bucket in (1, 2):
         adaptive.set_costs(bucket, [1.0, 100.0, 100.0])
     adaptive.probe_every, adaptive.probe_budget, adaptive.max_backoff = 4, 0.0, 0  # a probe every 4th round
+    monkeypatch.setattr(adaptive, "drafting_could_pay", lambda bucket: True)
     rounds = []  # per drafting round: (pad_to, [(num_accepted, new_positions) per span])
     drafter = parts(engine)[1]
     propose = drafter.propose
@@ -574,9 +576,10 @@ def test_auto_k_stops_drafting_for_good(model, monkeypatch, probe_due, defer_lim
     assert engine.metrics.num_draft_tokens == 0
 
 
-@pytest.mark.parametrize("k0_best", [True, False])
-def test_auto_k_admits_plainly_while_nothing_would_draft(model, k0_best):
-    """Admitted while k = 0 is best at its bucket and no probe can come, a request decodes
+@pytest.mark.parametrize(("k0_best", "probing"), [(True, False), (True, True), (False, False)])
+def test_auto_k_admits_plainly_while_nothing_would_draft(model, k0_best, probing):
+    """Admitted while k = 0 is best at its bucket and no probe can come (probing off, or on at
+    costs where no acceptance could make drafting pay), a request decodes
     plainly from admission: its prompt is not drafted over, it holds no draft-cache blocks, and
     its first prefill chunk fills the step's budget (10) instead of ending P - 1 = 2 short of the
     prompt's end (D = 3). Where k = 3 is best it drafts as before. Either way its target blocks
@@ -588,7 +591,7 @@ def test_auto_k_admits_plainly_while_nothing_would_draft(model, k0_best):
     adaptive = engine.adaptive
     assert isinstance(adaptive, AdaptiveK) and engine.drafter.lookahead == 3
     adaptive.set_costs(1, [1.0, 100.0, 100.0, 100.0] if k0_best else [1.0] * 4)
-    adaptive.probe_every = 0
+    adaptive.probe_every, adaptive.probe_budget, adaptive.max_backoff = (2, 0.0, 0) if probing else (0, 0.02, 4)
     proposed = []
     drafter = parts(engine)[1]
     propose = drafter.propose
@@ -623,6 +626,7 @@ def test_auto_k_at_zero_lets_one_request_draft_for_a_probe(model, monkeypatch):
     assert isinstance(adaptive, AdaptiveK)
     adaptive.set_costs(4, [1.0, 100.0, 100.0])
     adaptive.probe_every, adaptive.probe_budget, adaptive.max_backoff = 3, 0.0, 0  # a probe every 3rd step
+    monkeypatch.setattr(adaptive, "drafting_could_pay", lambda bucket: True)  # forced, as these costs stop probes
     proposed = []  # request ids drafted over, per round
     drafter = parts(engine)[1]
     propose = drafter.propose
