@@ -472,11 +472,13 @@ def test_bad_settings_raise(kwargs):
 def test_summary_is_plain_json():
     adaptive = AdaptiveK(max_k=2)
     adaptive.set_costs(4, [1.0, 1.5, 2.0])
+    adaptive.set_costs(16, [1.0, 2.0, 3.0])  # all accepted, k = 2 emits 3 tokens for 3 steps: never probed
     adaptive.observe([2, 2], [2, 1])
     k = adaptive.choose(4)
     summary = json.loads(json.dumps(adaptive.summary()))
     assert summary["chosen"] == {str(k): 1}
-    assert summary["costs"] == {"4": [1.0, 1.5, 2.0]}
+    assert summary["costs"] == {"4": [1.0, 1.5, 2.0], "16": [1.0, 2.0, 3.0]}
+    assert summary["drafting_could_pay"] == {"4": True, "16": False}
     assert summary["acceptance"] == pytest.approx(adaptive.acceptance())
     assert summary["expected_tokens"] == pytest.approx([adaptive.expected_tokens(j) for j in range(3)])
-    assert summary["best_k"] == {"4": adaptive.best_k(4)}
+    assert summary["best_k"] == {"4": adaptive.best_k(4), "16": 0}

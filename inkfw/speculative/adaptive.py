@@ -361,4 +361,5 @@ class AdaptiveK:
             "catch_up_s": {str(b): list(c) for b, c in sorted(self.catch_up.items())},
             "costs_now": {str(b): self.costs_now(b) for b in sorted(self.costs)},
             "best_k": {str(b): self.best_k(b) for b in sorted(self.costs)},
+            "drafting_could_pay": {str(b): self.drafting_could_pay(b) for b in sorted(self.costs)},  # else no probes
         }
