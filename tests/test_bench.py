@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from rich.console import Console
+from rich.progress import Progress
 
 from helpers.bench import bench_cfg, restore_threads  # noqa: F401
 from inkfw.bench import run_bench
@@ -377,10 +378,14 @@ def test_debug_preset_overhead_and_profile(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("interleave", ["batch", "set"])
-def test_interleaved_runs_and_their_ratios_per_repeat(interleave, capsys, tmp_path):
+def test_interleaved_runs_and_their_ratios_per_repeat(interleave, capsys, tmp_path, monkeypatch):
     """Batch 1, three prompts, two repeats: with interleave=batch every run decodes each prompt in
     turn (reversed on every other prompt), with set each run a whole set; either way each run's
-    outputs are checked as one, and its tokens/s per repeat are its decodes of that repeat."""
+    outputs are checked as one, and its tokens/s per repeat are its decodes of that repeat. The
+    progress bar advances once per measured decode; each engine's warm-up is reported."""
+    advanced = []
+    advance = Progress.advance
+    monkeypatch.setattr(Progress, "advance", lambda self, task, n=1: advanced.append(n) or advance(self, task, n))
     report = run_bench(
         bench_cfg(*DEBUG, "batch_sizes=[1]", "num_prompts=3", "num_tokens=[2,auto]", "repeats=2",
                   f"interleave={interleave}", "output_dir=null")
@@ -403,8 +408,13 @@ def test_interleaved_runs_and_their_ratios_per_repeat(interleave, capsys, tmp_pa
     assert auto["best_k"] == fastest["num_tokens"] and k2["best_k"] is None
     assert auto["vs_best_k"] == pytest.approx(auto["tokens_per_s"] / fastest["tokens_per_s"])
     assert report["exactness"]["ok"] and report["exactness"]["runs_compared"] == 2 * 2  # k=2, auto per repeat
-    measured = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  repeat ")]
+    out = capsys.readouterr().out.splitlines()
+    measured = [line for line in out if line.startswith("  repeat ")]
     assert len(measured) == 2 * 3  # one line per run and repeat, whatever the interleaving
+    assert advanced == [1] * (2 * 3 * per_repeat)  # repeats x runs x decodes per run and repeat
+    assert sorted(line.split(":")[0] for line in out if line.startswith("  warm-up ")) == sorted(
+        f"  warm-up {r['name']}" for r in report["results"]
+    )  # one line per engine (here one run each)
     assert bench_plot(report, tmp_path / "bench.png")  # with a bar per point: the repeats' spread
     assert (tmp_path / "bench.png").read_bytes()[:8] == PNG
 

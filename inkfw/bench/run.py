@@ -49,6 +49,7 @@ import os
 import platform
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf, open_dict
 from rich.console import Console
+from rich.progress import MofNCompleteColumn, Progress
 
 from inkfw.bench.exactness import ExactnessCheck, differing_requests, unchecked_summary
 from inkfw.bench.hf_baseline import HfBaseline
@@ -461,6 +463,7 @@ class Rounds:
     cases: dict[tuple, Case]
     hf: HfBaseline | None
     check: ExactnessCheck | None  # None: sampling, outputs not compared
+    on_decode: Callable[[], None] = lambda: None  # after each measured decode (the progress bar)
     hf_timings: dict[tuple[str, str], HfTiming] = field(default_factory=dict)
     hf_vs_inkfw: dict[str, dict[str, int]] = field(default_factory=dict)  # info: HF vs inkfw at batch 1
     # per (prompt set, run name): (repeat, tokens, wall seconds) of each measured decode, in order
@@ -498,6 +501,7 @@ class Rounds:
                 wall, outs = self._decode(run, set_name, prompts, max_new_tokens, cache_time)
                 outputs[run.name] += outs
                 self.decodes.setdefault((set_name, run.name), []).append((rep, sum(len(o) for o in outs), wall))
+                self.on_decode()
         for run in runs:
             if run.system == "inkfw" and self.check is not None:
                 self.check.add(set_name, run.batch_size, rep, run.name, outputs[run.name])
@@ -601,24 +605,36 @@ def run_bench(cfg: Any) -> dict[str, Any]:
         else None
     )
     cases: dict[tuple, Case] = {}
-    for run in runs:  # first-call costs stay out of the measured runs: one short batch per prompt set
-        if run.system == "inkfw" and run.engine_key not in cases:
-            case = _build_case(cfg, run, model, tokenizer, max_model_len, opts.ignore_eos)
-            cases[run.engine_key] = case
-            for prompts in prompt_sets.values() if opts.warmup_tokens else []:
-                warm = batch_requests(prompts[: run.batch_size], run.batch_size)
-                _generate(case.engine, warm, opts.warmup_tokens, run.name)
-        elif run.system == "hf" and opts.warmup_tokens:
-            assert hf is not None
-            for prompts in prompt_sets.values():
-                hf.generate(prompts[:1], opts.warmup_tokens, run.use_mtp)
+    batches = {name: interleaved_batches(prompts, runs, opts.interleave) for name, prompts in prompt_sets.items()}
+    with Progress(*Progress.get_default_columns(), MofNCompleteColumn(), console=console, transient=True) as progress:
+        # first-call costs stay out of the measured runs: warm-up, then one short batch per prompt set
+        keys = {r.engine_key for r in runs}  # an engine per inkfw key, an HF system per HF run
+        num_keys = len(keys)
+        warming = progress.add_task("warm-up (compiles, step costs)", total=num_keys)
+        for run in runs:
+            if run.system == "inkfw" and run.engine_key not in cases:
+                case = _build_case(cfg, run, model, tokenizer, max_model_len, opts.ignore_eos)
+                cases[run.engine_key] = case
+                for prompts in prompt_sets.values() if opts.warmup_tokens else []:
+                    warm = batch_requests(prompts[: run.batch_size], run.batch_size)
+                    _generate(case.engine, warm, opts.warmup_tokens, run.name)
+                progress.console.print(f"  warm-up {run.name}: {case.warmup_s:.1f}s", markup=False, highlight=False)
+            elif run.system == "hf" and opts.warmup_tokens:
+                assert hf is not None
+                for prompts in prompt_sets.values():
+                    hf.generate(prompts[:1], opts.warmup_tokens, run.use_mtp)
+            keys.discard(run.engine_key)
+            progress.update(warming, completed=num_keys - len(keys))
 
-    rounds = Rounds(console, cases, hf, ExactnessCheck() if greedy else None)
-    for rep in range(opts.repeats):
-        order = round_order(runs, rep)
-        for set_name, prompts in prompt_sets.items():
-            batches = interleaved_batches(prompts, runs, opts.interleave)
-            rounds.measure(rep, opts.repeats, set_name, batches, order, opts.max_new_tokens, bool(cfg.cache_time))
+        decodes = opts.repeats * len(runs) * sum(map(len, batches.values()))
+        decoding = progress.add_task("measured decodes (every run, each slice in turn)", total=decodes)
+        rounds = Rounds(console, cases, hf, ExactnessCheck() if greedy else None, lambda: progress.advance(decoding))
+        for rep in range(opts.repeats):
+            order = round_order(runs, rep)
+            for set_name in prompt_sets:
+                rounds.measure(
+                    rep, opts.repeats, set_name, batches[set_name], order, opts.max_new_tokens, bool(cfg.cache_time)
+                )
     check = rounds.check
 
     rows: list[dict[str, Any]] = []
