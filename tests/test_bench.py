@@ -28,7 +28,9 @@ from inkfw.bench.timing import predicted_speedup
 from inkfw.errors import ConfigError
 from inkfw.eval_acceptance import humaneval_prompts
 from inkfw.reporting import bench_acceptance_plot, bench_markdown, bench_plot, bench_table
+from inkfw.speculative.engine import Engine
 from inkfw.speculative.factory import load_tokenizer
+from inkfw.speculative.step import bucket_for
 
 ROOT = Path(__file__).resolve().parent.parent
 CKPT = ROOT / "checkpoints" / "inkling-tiny"
@@ -417,6 +419,24 @@ def test_interleaved_runs_and_their_ratios_per_repeat(interleave, capsys, tmp_pa
     )  # one line per engine (here one run each)
     assert bench_plot(report, tmp_path / "bench.png")  # with a bar per point: the repeats' spread
     assert (tmp_path / "bench.png").read_bytes()[:8] == PNG
+
+
+def test_engines_warm_up_every_bucket_their_batches_pass_through(monkeypatch):
+    """A batch of 4 shrinks through buckets 2 and 1 as its requests finish: each engine warms up
+    (compiles, captures, measures auto's costs) at every bucket up to its batch size, so none
+    compiles while measured."""
+    warmed: dict[int, list[int]] = {}  # engine max_num_seqs -> buckets warmed up
+    warmup = Engine.warmup
+
+    def recording(engine, batch_sizes=None, *args, **kwargs):
+        buckets = {bucket_for(b, engine.config.batch_buckets) for b in batch_sizes or [1]}
+        warmed.setdefault(engine.config.max_num_seqs, []).extend(sorted(buckets))
+        return warmup(engine, batch_sizes, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "warmup", recording)
+    report = run_bench(bench_cfg(*DEBUG, "batch_sizes=[1,4]", "num_prompts=4", "drafters=[none]", "output_dir=null"))
+    assert warmed == {1: [1], 4: [1, 2, 4]}
+    assert all(r["warmup_s"] > 0 for r in report["results"])
 
 
 def test_gpu_preset_runs_on_a_cpu_with_a_tiny_override(tmp_path):

@@ -256,7 +256,10 @@ def _build_case(cfg: Any, run: BenchRun, model, tokenizer, max_model_len: int, i
         engine.eos_ids = set()
     forwards = PhaseForwardTimer()
     engine.add_observer(forwards)
-    warmup_s = engine.warmup([run.batch_size])  # compile / capture, step costs for auto
+    # compile / capture, step costs for auto, at every bucket the run's batches pass through: as
+    # requests finish at different steps a batch of B shrinks through the buckets below B, and a
+    # bucket first met while measuring would time its compiles (minutes on a CPU) as decoding
+    warmup_s = engine.warmup(range(1, run.batch_size + 1))
     return Case(run, engine, forwards, warmup_s, profile=bool(cfg.profile))
 
 
