@@ -617,6 +617,28 @@ def test_auto_k_admits_plainly_while_nothing_would_draft(model, k0_best, probing
     assert outputs([r]) == outputs([again]) == outputs(plain)
 
 
+def test_auto_k_admits_for_the_batch_the_queue_will_make(model):
+    """Four requests queued together decode at bucket 4, where k = 0 is best and never probed
+    (no acceptance could make drafting pay); at bucket 1 drafting would pay. Each is admitted by
+    bucket 4's choice, the batch it joins, so all four decode plainly from admission, the first
+    too (judged by bucket 1, as if it would run alone, it drafted over its prompt for nothing).
+    Outputs equal plain decoding."""
+    engine, _ = make_engine(model, ["drafter=mtp", "mtp.depths=2", "spec.num_tokens=auto"])
+    adaptive = engine.adaptive
+    assert isinstance(adaptive, AdaptiveK) and engine.config.max_num_seqs >= 4
+    adaptive.set_costs(1, [1.0, 1.0, 1.0])
+    adaptive.set_costs(4, [1.0, 100.0, 100.0])
+    assert adaptive.best_k(1) == 2 and adaptive.best_k(4) == 0 and not adaptive.drafting_could_pay(4)
+    prompts = prompts_of(66, 4)
+    reqs = [engine.add_request(p, max_new_tokens=6) for p in prompts]
+    engine.step()
+    assert [r.drafting_off for r in reqs] == [True] * 4
+    engine.generate(reqs)
+    assert engine.metrics.num_draft_tokens == 0
+    plain, _, _ = generate(model, NO_DRAFTER, prompts, 6, check_drafts=False)
+    assert outputs(reqs) == outputs(plain)
+
+
 def test_auto_k_at_zero_lets_one_request_draft_for_a_probe(model, monkeypatch):
     """k = 0 best at bucket 4 and a probe due soon: of 4 requests admitted together only the first
     drafts (its prompt drafted over, its lag caught up by the probe), the others decode plainly

@@ -600,7 +600,8 @@ class Engine:
             and not self._preempted_this_step
         ):
             r = self.waiting[0]
-            plainly = self._admits_plainly(len(self.running) + 1)
+            # the batch it will decode in: the running requests and every waiting one that fits
+            plainly = self._admits_plainly(min(self.config.max_num_seqs, len(self.running) + len(self.waiting)))
             r.num_computed = self.kv.add(r.id, r.token_ids, draft=not plainly)
             if plainly:
                 self._stop_drafting(r, r.num_computed)  # its drafter has no state
