@@ -38,7 +38,15 @@ def bucket_for(n: int, buckets: Sequence[int]) -> int:
 
 # Serving never swaps a module's weights under a compiled step, so skip guarding every parameter
 # (the guards cost about 1 ms per call on the shipped checkpoint); the cache pools stay guarded.
-_COMPILE_OPTIONS: dict[str, Any] = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+# cpp.simdlen 1: inductor's vectorized CPU kernels (torch 2.13) miscompile the plain verify step
+# at batch 4 on the shipped checkpoint: rows 0-2 of every batch decoded other tokens than eager
+# (from the 7th-11th token on), row 3 and aot_eager exactly; without SIMD, or without fusion, all
+# rows are exact (tests/test_shipped_checkpoint.py). It costs that step about 20 % on this CPU;
+# CUDA (Triton kernels) is not affected by the option.
+_COMPILE_OPTIONS: dict[str, Any] = {
+    "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+    "cpp.simdlen": 1,
+}
 MIN_TABLE_WIDTH = 4  # blocks: short contexts share one shape
 
 
