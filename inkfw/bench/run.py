@@ -611,11 +611,12 @@ def run_bench(cfg: Any) -> dict[str, Any]:
     batches = {name: interleaved_batches(prompts, runs, opts.interleave) for name, prompts in prompt_sets.items()}
     with Progress(*Progress.get_default_columns(), MofNCompleteColumn(), console=console, transient=True) as progress:
         # first-call costs stay out of the measured runs: warm-up, then one short batch per prompt set
-        keys = {r.engine_key for r in runs}  # an engine per inkfw key, an HF system per HF run
-        num_keys = len(keys)
-        warming = progress.add_task("warm-up (compiles, step costs)", total=num_keys)
+        first_runs: dict[tuple, BenchRun] = {}  # per engine key (an inkfw engine, an HF system): its first run
         for run in runs:
-            if run.system == "inkfw" and run.engine_key not in cases:
+            first_runs.setdefault(run.engine_key, run)
+        warming = progress.add_task("warm-up (compiles, step costs)", total=len(first_runs))
+        for run in first_runs.values():
+            if run.system == "inkfw":
                 case = _build_case(cfg, run, model, tokenizer, max_model_len, opts.ignore_eos)
                 cases[run.engine_key] = case
                 for prompts in prompt_sets.values() if opts.warmup_tokens else []:
@@ -626,8 +627,7 @@ def run_bench(cfg: Any) -> dict[str, Any]:
                 assert hf is not None
                 for prompts in prompt_sets.values():
                     hf.generate(prompts[:1], opts.warmup_tokens, run.use_mtp)
-            keys.discard(run.engine_key)
-            progress.update(warming, completed=num_keys - len(keys))
+            progress.update(warming, advance=1)
 
         decodes = opts.repeats * len(runs) * sum(map(len, batches.values()))
         decoding = progress.add_task("measured decodes (every run, each slice in turn)", total=decodes)
