@@ -54,7 +54,7 @@ def test_trained_depths_are_accepted_and_output_is_exact():
 def test_compiled_plain_decoding_at_batch_4_equals_eager():
     """Compiled (``engine.compile=true``) plain decoding of four held-out prompts in one batch
     emits eager's tokens in every row. With inductor's vectorized CPU kernels rows 0-2 diverged
-    from the 7th-11th token on (inkfw/speculative/step.py, ``_COMPILE_OPTIONS``)."""
+    from the 7th-11th token on (inkfw/speculative/step.py, ``cpu_outer_loop_fusion_off``)."""
     torch.set_num_threads(1)
     model, _ = load_model(CKPT)
     tok = load_tokenizer({"path": str(CKPT)})

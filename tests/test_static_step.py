@@ -32,7 +32,13 @@ from inkfw.speculative.drafters.mtp import MtpDrafter
 from inkfw.speculative.engine import Engine, Request
 from inkfw.speculative.reference import reference_draft_logits
 from inkfw.speculative.sampling import SamplingParams
-from inkfw.speculative.step import DEFAULT_BUCKETS, StepFunction, bucket_for
+from inkfw.speculative.step import (
+    DEFAULT_BUCKETS,
+    StepFunction,
+    bucket_for,
+    compile_options,
+    cpu_outer_loop_fusion_off,
+)
 from inkfw.speculative.verifier import TargetVerifier
 
 VOCAB = 120  # logits vocabulary of spec_model()
@@ -396,6 +402,25 @@ def test_compiled_step_functions_stay_static_as_shapes_change():
             out = fn(torch.ones(2, width), torch.ones(2, blocks, dtype=torch.long))
             assert out.tolist() == [width + blocks] * 2
     assert counters["stats"]["unique_graphs"] == 4  # one per width; the table widths share it
+
+
+def test_compiled_steps_keep_simd_but_compile_without_cpu_outer_loop_fusion():
+    """Inductor's CPU outer-loop fusion miscompiles batched steps (torch 2.13; the shipped
+    checkpoint's test shows it): compiled steps turn it off while they compile, put it back
+    afterwards, also after an error, and key the on-disk graph cache apart from graphs compiled
+    with it, while keeping SIMD kernels."""
+    from torch._inductor.codegen.cpp import CppScheduling
+
+    fusable = CppScheduling.can_fuse_vertical_outer_loop
+    with cpu_outer_loop_fusion_off():
+        assert CppScheduling.can_fuse_vertical_outer_loop(None, None, None) is False  # type: ignore[arg-type]
+    assert CppScheduling.can_fuse_vertical_outer_loop is fusable
+    with pytest.raises(RuntimeError), cpu_outer_loop_fusion_off():
+        raise RuntimeError("compile failed")
+    assert CppScheduling.can_fuse_vertical_outer_loop is fusable
+    options = compile_options()
+    assert "cpp.simdlen" not in options
+    assert "outer-loop-fusion-off" in options["post_grad_custom_post_pass"].uuid()
 
 
 def test_compiled_decode_reads_once_per_step(compiled):

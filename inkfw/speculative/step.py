@@ -17,11 +17,14 @@ graph-captured step functions (docs/design.md §5).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch._inductor.custom_graph_pass
 
 from inkfw.models.inkling.layers import static_moe
 
@@ -36,17 +39,71 @@ def bucket_for(n: int, buckets: Sequence[int]) -> int:
     return n
 
 
-# Serving never swaps a module's weights under a compiled step, so skip guarding every parameter
-# (the guards cost about 1 ms per call on the shipped checkpoint); the cache pools stay guarded.
-# cpp.simdlen 1: inductor's vectorized CPU kernels (torch 2.13) miscompile the plain verify step
-# at batch 4 on the shipped checkpoint: rows 0-2 of every batch decoded other tokens than eager
-# (from the 7th-11th token on), row 3 and aot_eager exactly; without SIMD, or without fusion, all
-# rows are exact (tests/test_shipped_checkpoint.py). It costs that step about 20 % on this CPU;
-# CUDA (Triton kernels) is not affected by the option.
-_COMPILE_OPTIONS: dict[str, Any] = {
-    "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-    "cpp.simdlen": 1,
-}
+@functools.cache
+def _cpp_scheduling() -> Any:
+    """Inductor's CPU scheduling class where it has the outer-loop fusion hook patched below."""
+    try:
+        from torch._inductor.codegen.cpp import CppScheduling
+    except ImportError:  # pragma: no cover - a torch without inductor's C++ backend
+        return None
+    return CppScheduling if "can_fuse_vertical_outer_loop" in vars(CppScheduling) else None
+
+
+class _NoOuterLoopFusionKey(torch._inductor.custom_graph_pass.CustomGraphPass):
+    """A post-grad pass that changes nothing: its uuid keys inductor's on-disk graph cache, so a
+    graph compiled with :func:`cpu_outer_loop_fusion_off` never shares an entry with one compiled
+    without it (the patch itself is invisible to the cache key)."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        pass
+
+    def uuid(self) -> str:
+        return "inkfw-cpu-outer-loop-fusion-off-v1"
+
+
+def _never_fuse_outer_loops(self: Any, node1: Any, node2: Any) -> bool:
+    return False
+
+
+@contextlib.contextmanager
+def cpu_outer_loop_fusion_off() -> Iterator[None]:
+    """Compile with inductor's CPU outer-loop fusion off (torch 2.13 miscompiles it).
+
+    Outer-loop fusion keeps an intermediate in a local buffer sized for one outer element; when
+    vectorization then tiles that outer loop, the tile's elements share the buffer and all but
+    the last read another row's values (pytorch/pytorch#185702). In the compiled plain verify
+    step at batch 4 it hit the short convs' ``x + conv(x)`` ahead of the norm: rows 0-2 of every
+    batch decoded other tokens than eager from the 7th-11th token on, row 3 exactly
+    (tests/test_shipped_checkpoint.py). Without the fusion the step keeps its SIMD kernels and ran
+    as fast as with it; turning SIMD off instead (``cpp.simdlen=1``) cost about 20 %."""
+    scheduling = _cpp_scheduling()
+    if scheduling is None:
+        yield
+        return
+    saved = vars(scheduling)["can_fuse_vertical_outer_loop"]
+    scheduling.can_fuse_vertical_outer_loop = _never_fuse_outer_loops
+    try:
+        yield
+    finally:
+        scheduling.can_fuse_vertical_outer_loop = saved
+
+
+@functools.cache
+def compile_options() -> dict[str, Any]:
+    """``torch.compile`` options of the step functions (imports inductor: only when compiling).
+
+    Serving never swaps a module's weights under a compiled step, so every parameter goes
+    unguarded (the guards cost about 1 ms per call on the shipped checkpoint); the cache pools
+    stay guarded. The no-op post-grad pass keys the graph cache to
+    :func:`cpu_outer_loop_fusion_off`; a torch without the hook that patches compiles without SIMD
+    kernels instead, the other cure for the miscompile."""
+    return {
+        "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+        "post_grad_custom_post_pass": _NoOuterLoopFusionKey(),
+        **({} if _cpp_scheduling() is not None else {"cpp.simdlen": 1}),
+    }
+
+
 MIN_TABLE_WIDTH = 4  # blocks: short contexts share one shape
 
 
@@ -110,7 +167,7 @@ class StepFunction:
         if compile:
             _raise_recompile_limit()
         self.fn = (
-            torch.compile(fn, fullgraph=True, dynamic=False, options=_COMPILE_OPTIONS)  # type: ignore[call-overload]
+            torch.compile(fn, fullgraph=True, dynamic=False, options=compile_options())  # type: ignore[call-overload]
             if compile
             else fn
         )
@@ -122,7 +179,10 @@ class StepFunction:
 
     def __call__(self, *args: torch.Tensor) -> Any:
         with static_moe():  # no MoE host reads, whatever the batch: static shapes throughout
-            return self._call(args)
+            if not self.compiled:
+                return self._call(args)
+            with cpu_outer_loop_fusion_off():  # dynamo compiles inside a call, on the first or a recompile
+                return self._call(args)
 
     def _call(self, args: tuple[torch.Tensor, ...]) -> Any:
         key = tuple((tuple(a.shape), a.dtype, a.data_ptr()) for a in args)
