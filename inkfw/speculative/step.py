@@ -74,8 +74,9 @@ def cpu_outer_loop_fusion_off() -> Iterator[None]:
     the last read another row's values (pytorch/pytorch#185702). In the compiled plain verify
     step at batch 4 it hit the short convs' ``x + conv(x)`` ahead of the norm: rows 0-2 of every
     batch decoded other tokens than eager from the 7th-11th token on, row 3 exactly
-    (tests/test_shipped_checkpoint.py). Without the fusion the step keeps its SIMD kernels and ran
-    as fast as with it; turning SIMD off instead (``cpp.simdlen=1``) cost about 20 %."""
+    (tests/test_shipped_checkpoint.py). Without the fusion the steps keep their SIMD kernels:
+    batched compiled steps ran about 1.4x faster than with SIMD off (``cpp.simdlen=1``, the first
+    cure), batch 1 about as fast (BENCHMARKS.md, "Tenth session")."""
     scheduling = _cpp_scheduling()
     if scheduling is None:
         yield
