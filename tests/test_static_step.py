@@ -36,8 +36,8 @@ from inkfw.speculative.step import (
     DEFAULT_BUCKETS,
     StepFunction,
     bucket_for,
-    compile_options,
     cpu_outer_loop_fusion_off,
+    inductor_config_patches,
 )
 from inkfw.speculative.verifier import TargetVerifier
 
@@ -418,9 +418,64 @@ def test_compiled_steps_keep_simd_but_compile_without_cpu_outer_loop_fusion():
     with pytest.raises(RuntimeError), cpu_outer_loop_fusion_off():
         raise RuntimeError("compile failed")
     assert CppScheduling.can_fuse_vertical_outer_loop is fusable
-    options = compile_options()
-    assert "cpp.simdlen" not in options
-    assert "outer-loop-fusion-off" in options["post_grad_custom_post_pass"].uuid()
+    patches = inductor_config_patches()
+    assert "cpp.simdlen" not in patches
+    assert "outer-loop-fusion-off" in patches["post_grad_custom_post_pass"].uuid()
+
+
+def _record_inductor_compiles(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, dict]]:
+    """Replace inductor's ``compile_fx`` by a recorder that runs graphs eagerly; each entry says
+    whether outer-loop fusion was on while the graph compiled, and with which config patches."""
+    import torch._inductor.compile_fx
+    from torch._inductor.codegen.cpp import CppScheduling
+
+    compiles: list[tuple[bool, dict]] = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs: list, config_patches: dict) -> object:
+        compiles.append((CppScheduling.can_fuse_vertical_outer_loop(None, None, None) is not False, config_patches))  # type: ignore[arg-type]
+        return gm.forward
+
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", record)
+    return compiles
+
+
+def test_step_graphs_compile_with_outer_loop_fusion_off_and_replays_leave_it_on(monkeypatch):
+    """The fusion is off exactly while inductor compiles a step's graph, not around replays."""
+    from torch._inductor.codegen.cpp import CppScheduling
+
+    torch._dynamo.reset()
+    compiles = _record_inductor_compiles(monkeypatch)
+    fusable = CppScheduling.can_fuse_vertical_outer_loop
+    fn = StepFunction(lambda x: (x * 2).sum(-1), "test-step", compile=True, tables_from=1)  # [B]
+    for _ in range(3):
+        assert fn(torch.ones(2, 3)).tolist() == [6.0, 6.0]
+        assert CppScheduling.can_fuse_vertical_outer_loop is fusable
+    assert [fused for fused, _ in compiles] == [False]  # one graph, compiled with the fusion off
+    assert "post_grad_custom_post_pass" in compiles[0][1]
+
+
+def test_every_compiled_step_skips_parameter_guards(monkeypatch):
+    """Serving never swaps weights under a step, so no step function guards its parameters (a
+    guard per parameter costs ~1 ms per call): replacing a weight recompiles none of them, and
+    each reads the new weight. Not only the first: ``torch.compile`` pops the guard filter out of
+    the options it is given, so a shared options dict left later step functions guarded."""
+    torch._dynamo.reset()
+    compiles = _record_inductor_compiles(monkeypatch)
+    linear = torch.nn.Linear(3, 2, bias=False)
+
+    def offset_step(offset: int):  # one graph per offset, like one per depth or bucket
+        return lambda x: linear(x) + offset  # [B, 2]
+
+    fns = [StepFunction(offset_step(i), f"test-step-{i}", compile=True, tables_from=1) for i in range(3)]
+    x = torch.ones(1, 3)
+    for fn in fns:
+        fn(x)
+    assert len(compiles) == 3
+    with torch.no_grad():
+        linear.weight = torch.nn.Parameter(torch.full((3, 2), 2.0).t())  # other strides: a guard would fail
+    for i, fn in enumerate(fns):
+        assert fn(x).tolist() == [[6.0 + i, 6.0 + i]]
+    assert len(compiles) == 3  # no recompiles
 
 
 def test_compiled_decode_reads_once_per_step(compiled):

@@ -89,20 +89,23 @@ def cpu_outer_loop_fusion_off() -> Iterator[None]:
         scheduling.can_fuse_vertical_outer_loop = saved
 
 
-@functools.cache
-def compile_options() -> dict[str, Any]:
-    """``torch.compile`` options of the step functions (imports inductor: only when compiling).
-
-    Serving never swaps a module's weights under a compiled step, so every parameter goes
-    unguarded (the guards cost about 1 ms per call on the shipped checkpoint); the cache pools
-    stay guarded. The no-op post-grad pass keys the graph cache to
-    :func:`cpu_outer_loop_fusion_off`; a torch without the hook that patches compiles without SIMD
-    kernels instead, the other cure for the miscompile."""
+def inductor_config_patches() -> dict[str, Any]:
+    """Inductor config of the step functions' graphs: a no-op post-grad pass that keys the graph
+    cache to :func:`cpu_outer_loop_fusion_off`, or, on a torch without the hook that patches, no
+    SIMD kernels (``cpp.simdlen=1``), the other cure for the miscompile."""
     return {
-        "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
         "post_grad_custom_post_pass": _NoOuterLoopFusionKey(),
         **({} if _cpp_scheduling() is not None else {"cpp.simdlen": 1}),
     }
+
+
+def _compile_step_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+    """Dynamo's backend for the step functions: inductor, with its CPU outer-loop fusion off while
+    it compiles the graph (the only time the fusion is decided; replays pay nothing)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    with cpu_outer_loop_fusion_off():
+        return compile_fx(gm, example_inputs, config_patches=inductor_config_patches())
 
 
 MIN_TABLE_WIDTH = 4  # blocks: short contexts share one shape
@@ -168,7 +171,16 @@ class StepFunction:
         if compile:
             _raise_recompile_limit()
         self.fn = (
-            torch.compile(fn, fullgraph=True, dynamic=False, options=compile_options())  # type: ignore[call-overload]
+            # Serving never swaps a module's weights under a compiled step, so every parameter goes
+            # unguarded (the guards cost about 1 ms per call on the shipped checkpoint); the cache
+            # pools stay guarded. A fresh dict each time: torch.compile pops the option from it.
+            torch.compile(
+                fn,
+                backend=_compile_step_graph,
+                fullgraph=True,
+                dynamic=False,
+                options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
+            )
             if compile
             else fn
         )
@@ -180,10 +192,7 @@ class StepFunction:
 
     def __call__(self, *args: torch.Tensor) -> Any:
         with static_moe():  # no MoE host reads, whatever the batch: static shapes throughout
-            if not self.compiled:
-                return self._call(args)
-            with cpu_outer_loop_fusion_off():  # dynamo compiles inside a call, on the first or a recompile
-                return self._call(args)
+            return self._call(args)
 
     def _call(self, args: tuple[torch.Tensor, ...]) -> Any:
         key = tuple((tuple(a.shape), a.dtype, a.data_ptr()) for a in args)
