@@ -179,6 +179,55 @@ def test_catch_up_costs_weigh_on_shallow_k_by_their_tokens():
         adaptive.set_costs(1, [1.0, 1.5, 3.0], [0.0, -1.0, 0.0])
 
 
+def test_a_request_drafts_only_where_its_tokens_can_earn_back_the_prompt_pass():
+    """At k = 2 (E = 2.19 at 1.4 plain steps) each token a row emits saves 1 - 1.4 / 2.19 = 0.361
+    plain steps; a 100-position prompt whose pass costs 1 plain step is earned back from 3 new
+    tokens on, not by 2. Where the pass was not measured only the best k decides; where the best
+    k is 0 nothing is saved; a borrowed bucket prices by the rows its costs were measured with."""
+    adaptive = AdaptiveK(max_k=2, prior_acceptance=0.7, probe_every=0, confidence=0.0)
+    adaptive.set_costs(1, [1.0, 1.2, 1.4], prompt_s=0.01)
+    assert adaptive.best_k(1) == 2
+    assert adaptive.saving_per_token(1) == pytest.approx(1 - 1.4 / 2.19)
+    assert not adaptive.drafting_pays_for(1, 100, 2) and adaptive.drafting_pays_for(1, 100, 3)
+    assert adaptive.drafting_pays_for(2, 100, 3) and not adaptive.drafting_pays_for(2, 100, 2)  # bucket 1's
+    adaptive.set_costs(4, [4.0, 4.8, 5.6], prompt_s=0.005)  # a batch of 4: a row's share is a quarter
+    assert adaptive.saving_per_token(4) == pytest.approx((4.0 - 5.6 / 2.19) / 4)
+    # the pass priced at batch 1's 0.01 per position (a prompt is mostly drafted alone), not 0.005
+    assert not adaptive.drafting_pays_for(4, 100, 2) and adaptive.drafting_pays_for(4, 100, 3)
+    adaptive.set_costs(1, [1.0, 1.2, 1.4])  # the pass not measured
+    assert adaptive.drafting_pays_for(1, 10**6, 1)
+    adaptive.set_costs(1, [1.0, 100.0, 100.0], prompt_s=0.01)  # k = 0 best
+    assert adaptive.saving_per_token(1) == 0.0 and not adaptive.drafting_pays_for(1, 1, 10**6)
+    assert adaptive.summary()["prompt_s"] == {"1": 0.01, "4": 0.005}
+    with pytest.raises(ConfigError, match="prompt pass"):
+        adaptive.set_costs(1, [1.0, 1.2, 1.4], prompt_s=-1.0)
+
+
+def test_the_saving_is_priced_optimistically():
+    """The saving is priced with every estimate at its upper bound, as whether to draft at all
+    is decided: estimates that choose k = 0 but bounds that draft price a saving, and with
+    observations the bounds close in on the estimates."""
+    adaptive = AdaptiveK(max_k=1, prior_acceptance=0.5, probe_every=0, confidence=1.0)
+    adaptive.set_costs(1, [1.0, 1.6], prompt_s=0.001)
+    assert adaptive.best_k_at(1) == 0 and adaptive.best_k(1) == 1
+    bound = adaptive.acceptance_bounds(1.0)[0]
+    assert adaptive.saving_per_token(1) == pytest.approx(1 - 1.6 / (1 + bound))
+    adaptive.observe([1] * 400, [1] * 300 + [0] * 100)  # alpha_1 about 0.75
+    bound = adaptive.acceptance_bounds(1.0)[0]
+    assert bound - adaptive.acceptance()[0] < 0.04
+    assert adaptive.saving_per_token(1) == pytest.approx(1 - 1.6 / (1 + bound))
+
+
+def test_rows_that_decode_plainly_pay_the_step_but_gain_nothing():
+    """At batch 4 k = 2 pays where every row drafts (2.19 tokens at 1.4 plain steps); where only a
+    quarter draft, a row emits 1 + 0.25 * 1.19 tokens at the same cost, so k = 0; half: k = 2
+    still beats plain decoding (1.595 / 1.4) and k = 1 (1.35 / 1.2)."""
+    adaptive = AdaptiveK(max_k=2, prior_acceptance=0.7, probe_every=0, confidence=0.0)
+    adaptive.set_costs(4, [1.0, 1.2, 1.4])
+    assert [adaptive.best_k(4, share) for share in (1.0, 0.5, 0.25)] == [2, 2, 0]
+    assert [adaptive.choose(4, share) for share in (1.0, 0.25)] == [2, 0]
+
+
 def test_drafting_must_promise_the_minimum_gain():
     """k = 1 promising 4 % more tokens/s than plain decoding (E(1) = 1.8 at 1.73 plain steps) is
     not worth the costs steps leave out: k = 0 unless ``min_gain`` allows it; 10 % is."""

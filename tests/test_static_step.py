@@ -495,7 +495,8 @@ def test_auto_k_equals_plain_and_measures_costs(model):
     engine._measure_step_costs = lambda *args: measured.append(measure(*args)) or measured[-1]  # type: ignore[method-assign]
     assert engine.warmup([1]) > 0
     assert len(measured) == 1
-    samples, catch_ups = measured[0]
+    samples, catch_ups, prompt_s = measured[0]
+    assert prompt_s > 0 and adaptive.prompt_s[1] == prompt_s  # the drafter's pass over the prompts, per position
     assert sorted(samples) == [0, 1, 2] and all(len(s) == 3 for s in samples.values())  # one step per k and round
     fitted = fit_step_costs(samples, 2)
     assert adaptive.costs[1] == pytest.approx(non_decreasing([fitted[k] for k in range(3)]))
@@ -697,6 +698,80 @@ def test_auto_k_admits_plainly_while_nothing_would_draft(model, k0_best, probing
     assert outputs([r]) == outputs([again]) == outputs(plain)
 
 
+@pytest.mark.parametrize(("prompt_s", "drafts"), [(1.0, False), (0.1, True)])
+def test_auto_k_drafts_for_a_request_only_where_its_tokens_earn_back_its_prompt_pass(model, prompt_s, drafts):
+    """k = 3 best (every k costs a plain step; priced optimistically, every estimate at its upper
+    bound, 1 with the prior alone, so E(3) = 4): each of 8 new tokens saves 0.75 plain steps, 6 in
+    all. A 12-position prompt whose pass costs 12 plain steps is not drafted over, and the
+    request decodes plainly from admission; at 1.2 it drafts. Outputs equal plain decoding."""
+    engine, _ = make_engine(model, ["drafter=mtp", "mtp.depths=3", "spec.num_tokens=auto"], check_drafts=False)
+    adaptive = engine.adaptive
+    assert isinstance(adaptive, AdaptiveK)
+    adaptive.set_costs(1, [1.0] * 4, prompt_s=prompt_s)
+    adaptive.probe_every = 0
+    assert adaptive.best_k(1) == 3
+    prompt = prompts_of(67, 1, lo=12, hi=12)[0]
+    r = engine.add_request(prompt, max_new_tokens=8)
+    engine.step()
+    assert r.drafting_off != drafts
+    engine.generate([r])
+    assert (engine.metrics.num_draft_tokens > 0) == drafts
+    plain, _, _ = generate(model, NO_DRAFTER, [prompt], 8, check_drafts=False)
+    assert outputs([r]) == outputs(plain)
+
+
+def test_auto_k_prices_a_round_by_the_rows_that_draft(model):
+    """Two requests at bucket 2 where k = 2 pays if both draft (E = 2.19 at 1.6 plain steps); the
+    long prompt's pass (20 positions at 0.1) costs more than its 8 tokens save (1.08), so it
+    decodes plainly, the short one (0.6) drafts. With half the rows drafting k = 2 would emit
+    1.6 tokens per row at 1.6 plain steps: every decode round chooses k = 0, and the only round
+    that drafts is the short prompt's own (bucket 1, where it is the whole batch). Outputs equal
+    plain decoding."""
+    engine, _ = make_engine(model, ["drafter=mtp", "mtp.depths=2", "spec.num_tokens=auto"], check_drafts=False)
+    adaptive = engine.adaptive
+    assert isinstance(adaptive, AdaptiveK)
+    adaptive.set_costs(2, [1.0, 1.3, 1.6], prompt_s=0.1)
+    adaptive.probe_every, adaptive.confidence, adaptive.prior_acceptance = 0, 0.0, 0.7  # the estimates decide
+    assert adaptive.best_k(2) == 2 and adaptive.best_k(2, 0.5) == 0
+    prompts = [prompts_of(68, 1, lo=6, hi=6)[0], prompts_of(69, 1, lo=20, hi=20)[0]]
+    reqs = [engine.add_request(p, max_new_tokens=8) for p in prompts]
+    engine.step()
+    assert [r.drafting_off for r in reqs] == [False, True]
+    engine.generate(reqs)
+    assert sum(n for k, n in engine.k_chosen.items() if k > 0) == 1 and engine.k_chosen[0] > 1
+    plain, _, _ = generate(model, NO_DRAFTER, prompts, 8, check_drafts=False)
+    assert outputs(reqs) == outputs(plain)
+
+
+def test_a_request_admitted_beside_decoding_ones_leaves_their_round_static(model):
+    """A prompt's last chunk drafted in the same step as two decoding requests: the decoding
+    requests' spans run one static round (padded to bucket 2), the prompt's an eager one of its
+    own, instead of one eager round for all three. Drafts match the uncached reference
+    (check_drafts) and outputs equal plain decoding."""
+    engine, _ = make_engine(model, ["drafter=mtp", "mtp.depths=2", "spec.num_tokens=2"], check_drafts=True)
+    rounds: list[list[tuple[int, int | None, bool]]] = []  # per step: (spans, pad_to, any prompt span)
+    drafter = parts(engine)[1]
+    propose = drafter.propose
+
+    def recording(spans, *args, pad_to=None, **kwargs):
+        rounds[-1].append((len(spans), pad_to, any(s.num_accepted is None for s in spans)))
+        return propose(spans, *args, pad_to=pad_to, **kwargs)
+
+    drafter.propose = recording  # type: ignore[method-assign]
+    prompts = prompts_of(70, 3)
+    reqs = [engine.add_request(p, max_new_tokens=10) for p in prompts[:2]]
+    for _ in range(3):
+        rounds.append([])
+        engine.step()
+    reqs.append(engine.add_request(prompts[2], max_new_tokens=10))
+    rounds.append([])
+    engine.step()
+    assert sorted(rounds[-1], key=str) == sorted([(2, 2, False), (1, None, True)], key=str)
+    engine.generate(reqs)
+    plain, _, _ = generate(model, NO_DRAFTER, prompts, 10, check_drafts=False)
+    assert outputs(reqs) == outputs(plain)
+
+
 def test_auto_k_admits_for_the_batch_the_queue_will_make(model):
     """Four requests queued together decode at bucket 4, where k = 0 is best and never probed
     (no acceptance could make drafting pay); at bucket 1 drafting would pay. Each is admitted by
@@ -764,7 +839,7 @@ def test_shallow_rounds_defer_deeper_depths_exactly(model, defer_limit):
     drafter = parts(engine)[1]
     assert drafter.lookahead == 4 and drafter.defer_limit == defer_limit
     rng = random.Random(defer_limit)
-    engine._round_k = lambda bucket: rng.choice([0, 1, 1, 2, 2, 3, 4])  # type: ignore[method-assign]
+    engine._round_k = lambda bucket, share: rng.choice([0, 1, 1, 2, 2, 3, 4])  # type: ignore[method-assign]
     rounds = []  # per drafting round: (k, depths run, rows caught up, rows re-spanned by a shallow round)
     propose, run_round = drafter.propose, drafter.round
 

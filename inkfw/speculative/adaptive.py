@@ -18,7 +18,9 @@ pick the k in 0..max_k that maximises expected tokens per second.
   borrows those of the nearest measured bucket; with none measured, it uses the model
   ``step_s[k] = 1 + fallback_draft_cost * k`` (relative units; drafting and the wider verify each
   cost a fixed fraction of a plain step).
-* **Choice.** ``argmax_k bucket * E(k) / step_s[k]``; ties go to the smaller k. Where that is
+* **Choice.** ``argmax_k bucket * E(k) / step_s[k]``; ties go to the smaller k. Where only a
+  share ``s`` of the step's rows draft (the others were admitted plainly or stopped drafting),
+  every row still pays the step at k, and a row emits ``1 + s (E(k) - 1)`` tokens on average. Where that is
   k = 0, the same argmax with each ``alpha_i`` raised to its upper bound
   ``alpha_i + confidence * sqrt(alpha_i (1 - alpha_i) / (seen_i + w))`` (at most 1;
   ``confidence`` 1 by default, 0 switches it off): whether to draft at all is decided
@@ -34,6 +36,20 @@ pick the k in 0..max_k that maximises expected tokens per second.
   leave out what drafting costs besides steps (the drafter's pass over each admitted prompt, host
   bookkeeping), which a break-even k does not earn back (batch 16 on the CPU: k = 1 promised 4 %
   and ran 14-22 % below plain).
+* **Admission.** A request's drafter first passes over its whole prompt (every depth, eagerly),
+  which no step cost includes. Warm-up measures that pass per prompt position (``prompt_s``,
+  batch seconds, :meth:`AdaptiveK.set_costs`), and a request is drafted for only where its
+  ``new_tokens`` at most could earn it back: ``new_tokens * saving_per_token > positions *
+  prompt_s`` (:meth:`AdaptiveK.drafting_pays_for`), with ``saving_per_token`` one row's share of
+  ``step_s[0] / E(0) - step_s[k] / E(k)``, priced optimistically (every estimate at its upper
+  bound, k the best there: a request admitted plainly observes nothing); else it decodes plainly
+  from admission. The pass is priced at the larger of the bucket's and batch 1's ``prompt_s``:
+  continuous batching mostly admits one request at a time, and a prompt drafted alone cost
+  about twice per position what warm-up's four prompts side by side did (0.25-0.30 against
+  0.15 ms at batch 4, compiled). Without the price, compiled auto at batch 4 drafted every
+  HumanEval request at k = 8, whose steps save 0.4-0.55 ms per token: 64 new tokens did not
+  earn back a 130-position pass, and the run went at 0.78x plain; with it, 1.03-1.07x
+  (BENCHMARKS.md, "Eleventh session").
 * **Probing.** Positions beyond the chosen k are never observed, so their estimates go stale.
   Some steps of a bucket (:meth:`AdaptiveK.choose` calls, and :meth:`AdaptiveK.plain_step`
   calls for steps in which no request drafted) choose max_k instead (a probe), so every
@@ -156,6 +172,7 @@ class AdaptiveK:
         self.accepted = [0.0] * max_k  # [i]: decayed count of those that accepted it
         self.costs: dict[int, list[float]] = {}  # bucket -> step_s[0..max_k]
         self.catch_up: dict[int, list[float]] = {}  # bucket -> seconds per emitted token, later (set with costs)
+        self.prompt_s: dict[int, float] = {}  # bucket -> seconds of the drafter's pass per prompt position
         self.steps: Counter[int] = Counter()  # bucket -> steps (choose() and plain_step() calls)
         self._next_probe: dict[int, int] = {}  # bucket -> the step from which the next choose() probes
         self._probe_best: dict[int, int] = {}  # bucket -> best k at its previous probe
@@ -206,15 +223,19 @@ class AdaptiveK:
             totals.append(totals[-1] + chain)
         return totals
 
-    def set_costs(self, bucket: int, step_s: Sequence[float], catch_up_s: Sequence[float] | None = None) -> None:
+    def set_costs(
+        self, bucket: int, step_s: Sequence[float], catch_up_s: Sequence[float] | None = None, prompt_s: float = 0.0
+    ) -> None:
         """Measured seconds of one whole decode step at batch ``bucket`` with k drafts, k = 0..max_k.
         A step with more drafts does at least the work of one with fewer, so the costs kept are
         the closest non-decreasing ones (:func:`non_decreasing`): timing noise must not make a
         larger k look cheaper. ``catch_up_s[k]``: seconds each token a step at k emits (per
         request) costs later, when the depths a shallow round skipped run over its position
         (docs/design.md §2; 0 where rounds run every depth); a step at k then costs
-        ``step_s[k] + E(k) * catch_up_s[k]`` (:meth:`costs_now`). The bucket's probes are priced
-        anew: its schedule starts over from its current step."""
+        ``step_s[k] + E(k) * catch_up_s[k]`` (:meth:`costs_now`). ``prompt_s``: seconds of the
+        drafter's pass over an admitted prompt, per prompt position, in a batch of ``bucket``
+        (:meth:`drafting_pays_for`; 0: not measured). The bucket's probes are priced anew: its
+        schedule starts over from its current step."""
         values = [float(s) for s in step_s]
         if bucket < 1 or len(values) != self.max_k + 1 or not all(math.isfinite(s) and s > 0 for s in values):
             raise ConfigError(
@@ -224,8 +245,11 @@ class AdaptiveK:
         later = [0.0] * len(values) if catch_up_s is None else [float(c) for c in catch_up_s]
         if len(later) != len(values) or not all(math.isfinite(c) and c >= 0 for c in later):
             raise ConfigError(f"catch-up costs need {len(values)} finite seconds >= 0, got {later}.")
+        if not (math.isfinite(prompt_s) and prompt_s >= 0):
+            raise ConfigError(f"the prompt pass's cost must be finite seconds >= 0, got {prompt_s}.")
         self.costs[bucket] = non_decreasing(values)
         self.catch_up[bucket] = later
+        self.prompt_s[bucket] = float(prompt_s)
         self._next_probe.pop(bucket, None)
         self._probe_best.pop(bucket, None)
         self._backoff.pop(bucket, None)
@@ -262,10 +286,11 @@ class AdaptiveK:
         expected = self.expected_tokens_all() if expected is None else expected
         return [s + e * c for s, e, c in zip(step_s, expected, later)]
 
-    def best_k_at(self, bucket: int, confidence: float = 0.0) -> int:
+    def best_k_at(self, bucket: int, confidence: float = 0.0, share: float = 1.0) -> int:
         """The k maximising expected tokens/s at ``bucket`` now with every estimate at its upper
-        bound at ``confidence`` (0: the estimates themselves; no probing, nothing recorded)."""
-        return self._best_k_given(bucket, self.acceptance_bounds(confidence) if confidence else None)
+        bound at ``confidence`` (0: the estimates themselves; no probing, nothing recorded), where
+        a ``share`` of the batch's rows draft (:meth:`_best_k_given`)."""
+        return self._best_k_given(bucket, self.acceptance_bounds(confidence) if confidence else None, share)
 
     def drafting_could_pay(self, bucket: int) -> bool:
         """Whether any acceptance could make drafting pay at ``bucket``: with every draft accepted
@@ -273,30 +298,34 @@ class AdaptiveK:
         observation could change the choice from k = 0, so the bucket is never probed."""
         return self._best_k_given(bucket, [1.0] * self.max_k) != 0
 
-    def _best_k_given(self, bucket: int, acceptance: Sequence[float] | None) -> int:
+    def _best_k_given(self, bucket: int, acceptance: Sequence[float] | None, share: float = 1.0) -> int:
         """The argmax of expected tokens/s at ``bucket`` with conditional acceptances ``acceptance``
-        (None: the estimates), 0 unless it beats plain decoding by ``min_gain``."""
-        expected = self.expected_tokens_all(acceptance)
-        step_s = self.costs_now(bucket, expected)
-        rates = [bucket * e / s for e, s in zip(expected, step_s)]  # tokens/s
+        (None: the estimates), 0 unless it beats plain decoding by ``min_gain``. Where only a
+        ``share`` of the rows draft (the others decode plainly), every row pays the step at k
+        and a row emits ``1 + share * (E(k) - 1)`` tokens on average."""
+        drafted = [share * e for e in self.expected_tokens_all(acceptance)]  # per row, from drafting rows
+        step_s = self.costs_now(bucket, drafted)
+        rates = [bucket * (1 - share + d) / s for d, s in zip(drafted, step_s)]  # tokens/s
         best = max(range(self.max_k + 1), key=lambda k: (rates[k], -k))
         return best if rates[best] >= rates[0] * (1 + self.min_gain) else 0
 
-    def best_k(self, bucket: int) -> int:
+    def best_k(self, bucket: int, share: float = 1.0) -> int:
         """The k to draft at ``bucket`` now (no probing, nothing recorded): the estimates' best,
-        and where that is 0, the optimistic one (module doc)."""
-        return self.best_k_at(bucket) or self.best_k_at(bucket, self.confidence)
+        and where that is 0, the optimistic one (module doc); ``share``: of the rows, those that
+        draft (the others were admitted plainly)."""
+        return self.best_k_at(bucket, 0.0, share) or self.best_k_at(bucket, self.confidence, share)
 
-    def choose(self, bucket: int) -> int:
-        """k for this engine step at ``bucket``: :meth:`best_k`, or max_k on a probe step."""
-        best = self.best_k(bucket)
+    def choose(self, bucket: int, share: float = 1.0) -> int:
+        """k for this engine step at ``bucket`` where a ``share`` of the rows draft:
+        :meth:`best_k`, or max_k on a probe step."""
+        best = self.best_k(bucket, share)
         due = self._due(bucket, best) if self._probes(bucket) else math.inf  # scheduled before this step
         self.steps[bucket] += 1
         k = best
         if self.steps[bucket] >= due:
             self.probes += 1
             k = self.max_k
-            settled = self._probe_best.get(bucket) == best and self.best_k_at(bucket, self.confidence) == best
+            settled = self._probe_best.get(bucket) == best and self.best_k_at(bucket, self.confidence, share) == best
             self._backoff[bucket] = min(self.max_backoff, self._backoff[bucket] + 1) if settled else 0
             self._probe_best[bucket] = best
             self._next_probe[bucket] = self.steps[bucket] + self.probe_interval(bucket, best)
@@ -327,6 +356,36 @@ class AdaptiveK:
             interval = self.probe_interval(bucket, self.best_k(bucket) if best is None else best)
             self._next_probe[bucket] = self.steps[bucket] + interval
         return self._next_probe[bucket]
+
+    def saving_per_token(self, bucket: int) -> float:
+        """Seconds of a batch of ``bucket``'s time that each token a request emits at k saves over
+        emitting it plainly, the request's share (one row) of ``step_s[0] / E(0) - step_s[k] /
+        E(k)``, priced optimistically: every estimate at its upper bound, and k the best there.
+        Whether a request drafts at all is decided like whether a round does (module doc): one
+        admitted plainly observes nothing, so estimates priced low could never correct
+        themselves (with the prior alone no request at batch 1 would draft). 0 where that k is 0."""
+        k = self.best_k_at(bucket, self.confidence)
+        if k == 0:
+            return 0.0
+        acceptance = self.acceptance_bounds(self.confidence) if self.confidence else None
+        expected = self.expected_tokens_all(acceptance)
+        step_s = self.costs_now(bucket, expected)
+        rows = self._measured_bucket(bucket) or bucket  # the batch the costs were measured at
+        return max(0.0, step_s[0] / expected[0] - step_s[k] / expected[k]) / rows
+
+    def drafting_pays_for(self, bucket: int, prompt_positions: int, new_tokens: int) -> bool:
+        """Whether a request admitted into a batch of ``bucket`` with ``prompt_positions`` to draft
+        over and up to ``new_tokens`` to emit earns back the drafter's pass over its prompt:
+        ``new_tokens * saving_per_token > prompt_positions * prompt_s`` (module doc), the pass
+        priced at the larger of the bucket's and batch 1's measured ``prompt_s``. Where the pass
+        was not measured, whether the best k drafts at all."""
+        measured = self._measured_bucket(bucket)
+        # a prompt is mostly drafted over alone (continuous batching admits one request as another
+        # finishes), at batch 1's price per position where that was measured: about twice batch 4's
+        prompt_s = 0.0 if measured is None else max(self.prompt_s.get(measured, 0.0), self.prompt_s.get(1, 0.0))
+        if prompt_s <= 0.0:
+            return self.best_k(bucket) != 0
+        return new_tokens * self.saving_per_token(bucket) > prompt_positions * prompt_s
 
     def probe_interval(self, bucket: int, best: int) -> int:
         """Steps from a probe at best k ``best`` to the next probe (module doc)."""
@@ -359,6 +418,7 @@ class AdaptiveK:
             "acceptance_bounds": self.acceptance_bounds(self.confidence),
             "costs": {str(b): list(c) for b, c in sorted(self.costs.items())},
             "catch_up_s": {str(b): list(c) for b, c in sorted(self.catch_up.items())},
+            "prompt_s": {str(b): s for b, s in sorted(self.prompt_s.items())},
             "costs_now": {str(b): self.costs_now(b) for b in sorted(self.costs)},
             "best_k": {str(b): self.best_k(b) for b in sorted(self.costs)},
             "drafting_could_pay": {str(b): self.drafting_could_pay(b) for b in sorted(self.costs)},  # else no probes

@@ -315,12 +315,12 @@ class Engine:
                         self.abort(r)
                     fastest[k] = min(seconds[3:] or seconds)
                 if self.adaptive is not None:
-                    samples, catch_ups = self._measure_step_costs(rows, ks, cost_rounds, gen)
+                    samples, catch_ups, prompt_s = self._measure_step_costs(rows, ks, cost_rounds, gen)
                     measured = fit_step_costs(samples, k_max)
                     # a shallow k (0 < k < P) leaves each emitted token's position to a catch-up
                     later = statistics.median(catch_ups) if catch_ups else 0.0
                     shallow = [later if 0 < k < self.drafter.lookahead else 0.0 for k in ks]
-                    self.adaptive.set_costs(bucket, [measured.get(k, fastest[k]) for k in ks], shallow)
+                    self.adaptive.set_costs(bucket, [measured.get(k, fastest[k]) for k in ks], shallow, prompt_s)
         finally:
             self._forced_k = None
             self.metrics, self.times, self.k_chosen, self.eos_ids = saved
@@ -330,9 +330,10 @@ class Engine:
 
     def _measure_step_costs(
         self, rows: int, ks: Sequence[int], rounds: int, gen: torch.Generator
-    ) -> tuple[dict[int, list[float]], list[float]]:
+    ) -> tuple[dict[int, list[float]], list[float], float]:
         """Seconds of single decode steps at each k in ``ks`` for ``rows`` requests, one sample per
-        round (:func:`fit_step_costs` makes costs of them), and catch-up samples. One set of
+        round (:func:`fit_step_costs` makes costs of them), catch-up samples, and the drafter's
+        seconds per prompt position over the requests' prompts (every depth). One set of
         requests with a realistic context (128 prompt tokens, at most a quarter of
         ``max_model_len``) steps through every k in each round, forward and backward in turn, so
         load that comes and goes on a shared machine weighs on every k alike; each k runs two
@@ -350,8 +351,10 @@ class Engine:
         forced = self._forced_k
         try:
             self._forced_k = max(ks)
+            drafting_s = self.times.draft_s
             while any(not r.finished and r.num_computed < len(r.token_ids) - 1 for r in requests):
                 self.step()  # prefill, drafting over the prompts
+            prompt_s = (self.times.draft_s - drafting_s) / (rows * prompt_len)
             for rnd in range(rounds):
                 for k in ks if rnd % 2 == 0 else ks[::-1]:
                     self._forced_k = k
@@ -376,7 +379,7 @@ class Engine:
             self._forced_k = forced
             for r in requests:
                 self.abort(r)
-        return dict(samples), catch_ups
+        return dict(samples), catch_ups, prompt_s
 
     # ---------------------------------------------------------------------- step
     def step(self) -> list[Request]:
@@ -460,13 +463,14 @@ class Engine:
             obs.on_step_end(self, finished)
         return finished
 
-    def _round_k(self, bucket: int) -> int:
-        """k of this drafting round: the drafter's, or adaptive k's choice for the batch bucket."""
+    def _round_k(self, bucket: int, share: float) -> int:
+        """k of this drafting round: the drafter's, or adaptive k's choice for the batch bucket
+        where a ``share`` of the rows draft (the others decode plainly)."""
         if self._forced_k is not None:
             return self._forced_k
         if self.adaptive is None:
             return self.drafter.num_tokens
-        return self.adaptive.choose(bucket)
+        return self.adaptive.choose(bucket, share)
 
     def _probe_soon(self, bucket: int) -> bool:
         """Whether adaptive k probes ``bucket`` before a lag started now could outgrow
@@ -475,18 +479,21 @@ class Engine:
             return False
         return self.adaptive.steps_to_probe(bucket) <= LAG_LIMIT
 
-    def _admits_plainly(self, num_rows: int) -> bool:
-        """Whether a request admitted into a batch of ``num_rows`` decodes plainly for good
-        (docs/design.md §5, adaptive k): adaptive k's best at that bucket is 0, and no probe falls
-        due soon or another running request still drafts (one is enough to observe a probe, and
-        each drafting request costs the probe a pass over its prompt and its lag). Its prompt would
-        be drafted over for nothing, and its chunks need not stop short for the drafter."""
+    def _admits_plainly(self, r: Request, num_rows: int) -> bool:
+        """Whether ``r``, admitted into a batch of ``num_rows``, decodes plainly for good
+        (docs/design.md §5, adaptive k): where adaptive k's best at that bucket drafts, when its
+        remaining tokens could not earn back the drafter's pass over its prompt; where the best is
+        0, when no probe falls due soon or another running request still drafts (one is enough to
+        observe a probe, and each drafting request costs the probe a pass over its prompt and its
+        lag). Its prompt would be drafted over for nothing, and its chunks need not stop short for
+        the drafter."""
         if self.adaptive is None or self._forced_k is not None or not self.drafter.needs_hidden:
             return False
         bucket = bucket_for(num_rows, self.config.batch_buckets)
         if self.adaptive.best_k(bucket) != 0:
-            return False
-        return not self._probe_soon(bucket) or any(not r.drafting_off for r in self.running)
+            new_tokens = r.max_new_tokens - len(r.output_token_ids)
+            return not self.adaptive.drafting_pays_for(bucket, len(r.token_ids), new_tokens)
+        return not self._probe_soon(bucket) or any(not other.drafting_off for other in self.running)
 
     def _draft(self, spans: list[DraftSpan], num_rows: int) -> None:
         """Propose the next drafts of ``spans`` into their requests' slots. With adaptive k at 0
@@ -495,7 +502,7 @@ class Engine:
         comes with no probe due before its lag could fill, stops drafting for good. ``num_rows``:
         the step's batch (its verify rows), whose bucket adaptive k chooses for."""
         bucket = bucket_for(num_rows, self.config.batch_buckets)
-        k = self._round_k(bucket)
+        k = self._round_k(bucket, min(1.0, len(spans) / num_rows))
         if k == 0 and self.drafter.needs_hidden:
             probe_soon = self._probe_soon(bucket)
             for s in spans:
@@ -512,13 +519,23 @@ class Engine:
                     r.lag.append((s.hidden[: s.new_positions].clone(), s.new_positions))  # graph outputs get reused
             spans = [s for s in spans if s.num_accepted is None and not cast(Request, s.request).drafting_off]
         self.k_chosen[k] += 1
-        if not spans:
-            return
-        static = all(s.num_accepted is not None and cast(Request, s.request).lag_start is None for s in spans)
-        spans = [_with_lag(s) for s in spans]
-        bucket = bucket_for(len(spans), self.config.batch_buckets) if static else None  # decode rounds: static
+        # decode spans run one static round (compiled / graph-captured); prompt chunks and lags, of
+        # any length, another (eager), so a request being admitted never sends the others' round eager
+        static: list[DraftSpan] = []
+        dynamic: list[DraftSpan] = []
+        for s in spans:
+            is_static = s.num_accepted is not None and cast(Request, s.request).lag_start is None
+            (static if is_static else dynamic).append(s)
+        if static:
+            self._propose_into_slots(static, k, bucket_for(len(static), self.config.batch_buckets))
+        if dynamic:
+            self._propose_into_slots([_with_lag(s) for s in dynamic], k, None)
+
+    def _propose_into_slots(self, spans: list[DraftSpan], k: int, pad_to: int | None) -> None:
+        """One drafting round over ``spans`` at ``k`` (static shapes padded to ``pad_to`` rows, or
+        None: eager, any span length), its drafts written into the requests' slots."""
         proposed = self.drafter.propose(
-            spans, self.kv, self._run_draft, keep_logits=self.config.check_drafts, pad_to=bucket, num_tokens=k
+            spans, self.kv, self._run_draft, keep_logits=self.config.check_drafts, pad_to=pad_to, num_tokens=k
         )
         counts = proposed.host_counts()
         slot_ids = torch.tensor([s.slot for s in spans], device=self.device)
@@ -601,7 +618,7 @@ class Engine:
         ):
             r = self.waiting[0]
             # the batch it will decode in: the running requests and every waiting one that fits
-            plainly = self._admits_plainly(min(self.config.max_num_seqs, len(self.running) + len(self.waiting)))
+            plainly = self._admits_plainly(r, min(self.config.max_num_seqs, len(self.running) + len(self.waiting)))
             r.num_computed = self.kv.add(r.id, r.token_ids, draft=not plainly)
             if plainly:
                 self._stop_drafting(r, r.num_computed)  # its drafter has no state
