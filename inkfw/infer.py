@@ -69,6 +69,10 @@ def run_infer(cfg: Any) -> dict[str, Any]:
     if not items:
         items = demo_prompts(engine, tokenizer, seed)
 
+    if engine.adaptive is not None:  # spec.num_tokens=auto chooses by step costs measured here
+        with console.status("adaptive k: measuring step costs (warm-up, not in tokens/s)"):
+            engine.warmup(range(1, min(max(1, len(items)), engine.config.max_num_seqs) + 1))
+
     base = engine.sampler.defaults
     base_seed = base.seed if base.seed is not None else seed
     requests: dict[int, Request] = {}

@@ -111,6 +111,8 @@ def run_metrics(engine, requests: Sequence[Request], wall_s: float, drafter: str
         "time_to_first_token_s": sum(ttfts) / len(ttfts) if ttfts else None,
         "step_times": step_times_record(t),
         "forward_share": t.forward_s / total if total > 0 else 0.0,
+        "warmup_s": float(engine.warmup_s),  # Engine.warmup: compile, capture, adaptive k's costs
+        "chosen_k": {str(k): n for k, n in sorted(engine.k_chosen.items())} if engine.adaptive is not None else None,
     }
 
 
@@ -177,6 +179,10 @@ def infer_table(metrics: dict[str, Any], model: str, title: str = "inkfw infer")
     table.add_row("step time: verify", share(st["verify_s"]))
     table.add_row("step time: bookkeeping", share(st["bookkeeping_s"]))
     table.add_row("forward share", f"{100 * m['forward_share']:.0f}%")
+    if m.get("chosen_k") is not None:  # spec.num_tokens=auto
+        table.add_row("k chosen (rounds)", " ".join(f"{k}:{n}" for k, n in m["chosen_k"].items()) or "-")
+    if m.get("warmup_s"):
+        table.add_row("warm-up (not in tokens/s)", f"{m['warmup_s']:.1f} s")
     return table
 
 

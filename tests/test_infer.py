@@ -247,6 +247,19 @@ def test_greedy_drafters_match_the_autoregressive_baseline(tmp_path):
     assert [len(t) for t in runs["none"]] == [8, 9, 8]
 
 
+def test_auto_k_measures_its_costs_before_generating(tmp_path):
+    """``spec.num_tokens=auto``: infer warms the engine up for the prompts' batch (adaptive k's
+    step and prompt-pass costs, not in tokens/s), reports the seconds and the k chosen, and
+    emits plain decoding's tokens."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"token_ids": [5, 6, 7, 8, 5, 6, 7]}, {"token_ids": [9, 10, 11]}])
+    auto = run_infer(make_cfg(f"prompts_file={prompts}", "max_new_tokens=8", "drafter=mtp", "spec.num_tokens=auto"))
+    plain = run_infer(make_cfg(f"prompts_file={prompts}", "max_new_tokens=8", "drafter=none"))
+    metrics = auto["metrics"]
+    assert metrics["warmup_s"] > 0 and sum(metrics["chosen_k"].values()) > 0
+    assert plain["metrics"]["chosen_k"] is None
+    assert [r["token_ids"] for r in auto["requests"]] == [r["token_ids"] for r in plain["requests"]]
+
+
 def test_sampling_is_seeded_and_consistent(tmp_path):
     over = ["prompt_token_ids=[3,4,5,6]", "sampler.temperature=1.0", "sampler.top_k=50", "sampler.top_p=0.95"]
     a = run_infer(make_cfg(*over, "seed=3"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -117,7 +118,14 @@ def test_run_metrics_from_engine_state():
     metrics.record([4, 4], [2, 0])
     metrics.record([4], [4])
     times = StepTimes(draft_s=1.0, verify_s=2.0, bookkeeping_s=1.0, forward_s=3.0, num_steps=2)
-    engine = SimpleNamespace(metrics=metrics, times=times, drafter=SimpleNamespace(num_tokens=4, num_depths=4))
+    engine = SimpleNamespace(
+        metrics=metrics,
+        times=times,
+        drafter=SimpleNamespace(num_tokens=4, num_depths=4),
+        warmup_s=1.5,
+        adaptive=object(),  # spec.num_tokens=auto
+        k_chosen=Counter({2: 3, 0: 1}),
+    )
     reqs = [
         finished_request(0, [1], [2, 3, 4], 2, 8, 2, first_token=11.0),
         finished_request(1, [1], [5, 6, 7, 8, 9], 1, 4, 4, first_token=None),
@@ -131,7 +139,9 @@ def test_run_metrics_from_engine_state():
     assert m["time_to_first_token_s"] == pytest.approx(1.0)  # the request without a first token is left out
     assert m["step_times"] == {"draft_s": 1.0, "verify_s": 2.0, "bookkeeping_s": 1.0, "forward_s": 3.0, "num_steps": 2}
     assert m["forward_share"] == pytest.approx(0.75)
+    assert m["warmup_s"] == 1.5 and m["chosen_k"] == {"0": 1, "2": 3}
     json.dumps(m)  # plain data, ready for output.json
+    assert run_metrics(SimpleNamespace(**{**vars(engine), "adaptive": None}), reqs, 2.0, "mtp")["chosen_k"] is None
     assert run_metrics(engine, [], wall_s=0.0, drafter="mtp")["tokens_per_s"] == 0.0
 
 
@@ -160,9 +170,20 @@ def test_infer_table_rows():
     assert "mtp (k=4, D=2)" in text and "3 (+2 rejected)" in text
     assert "1.500" in text and "25.0% 25.0%" in text and "48 / 6 (12.5%)" in text and "12.3" in text
     assert "1.000 s (25%)" in text and "3.000 s (75%)" in text and "80%" in text
-    m_none = {**m, "drafter": "none", "num_tokens": 0, "mtp_depths": 0, "num_errors": 0}
+    assert "k chosen" not in text and "warm-up" not in text  # neither auto nor warmed up
+    text = rendered(infer_table({**m, "chosen_k": {"0": 3, "2": 5}, "warmup_s": 10.46}, "x"))
+    assert "0:3 2:5" in text and "10.5 s" in text
+    m_none = {
+        **m,
+        "drafter": "none",
+        "num_tokens": 0,
+        "mtp_depths": 0,
+        "num_errors": 0,
+        "chosen_k": None,
+        "warmup_s": 0.0,
+    }
     text = rendered(infer_table(m_none, "x"))
-    assert "(k=" not in text and "rejected" not in text
+    assert "(k=" not in text and "rejected" not in text and "k chosen" not in text and "warm-up" not in text
 
 
 def test_print_requests_text_ids_and_rejections():
