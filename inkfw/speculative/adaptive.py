@@ -298,16 +298,28 @@ class AdaptiveK:
         observation could change the choice from k = 0, so the bucket is never probed."""
         return self._best_k_given(bucket, [1.0] * self.max_k) != 0
 
-    def _best_k_given(self, bucket: int, acceptance: Sequence[float] | None, share: float = 1.0) -> int:
-        """The argmax of expected tokens/s at ``bucket`` with conditional acceptances ``acceptance``
-        (None: the estimates), 0 unless it beats plain decoding by ``min_gain``. Where only a
-        ``share`` of the rows draft (the others decode plainly), every row pays the step at k
-        and a row emits ``1 + share * (E(k) - 1)`` tokens on average."""
+    def _row_steps(
+        self, bucket: int, acceptance: Sequence[float] | None, share: float = 1.0
+    ) -> tuple[list[float], list[float]]:
+        """Tokens a row emits per step and seconds of a step at ``bucket``, k = 0..max_k, with
+        conditional acceptances ``acceptance`` (None: the estimates). Where only a ``share`` of the
+        rows draft (the others decode plainly), every row pays the step at k and a row emits
+        ``1 + share * (E(k) - 1)`` tokens on average."""
         drafted = [share * e for e in self.expected_tokens_all(acceptance)]  # per row, from drafting rows
-        step_s = self.costs_now(bucket, drafted)
-        rates = [bucket * (1 - share + d) / s for d, s in zip(drafted, step_s)]  # tokens/s
+        return [1 - share + d for d in drafted], self.costs_now(bucket, drafted)
+
+    def _best_of(self, tokens: Sequence[float], step_s: Sequence[float]) -> int:
+        """The k of the most tokens per second (ties: the smaller k), 0 unless it beats plain
+        decoding by ``min_gain``."""
+        rates = [t / s for t, s in zip(tokens, step_s)]
         best = max(range(self.max_k + 1), key=lambda k: (rates[k], -k))
         return best if rates[best] >= rates[0] * (1 + self.min_gain) else 0
+
+    def _best_k_given(self, bucket: int, acceptance: Sequence[float] | None, share: float = 1.0) -> int:
+        """The argmax of expected tokens/s at ``bucket`` with conditional acceptances ``acceptance``
+        (None: the estimates) where a ``share`` of the rows draft (:meth:`_row_steps`), 0 unless it
+        beats plain decoding by ``min_gain``."""
+        return self._best_of(*self._row_steps(bucket, acceptance, share))
 
     def best_k(self, bucket: int, share: float = 1.0) -> int:
         """The k to draft at ``bucket`` now (no probing, nothing recorded): the estimates' best,
@@ -364,14 +376,10 @@ class AdaptiveK:
         Whether a request drafts at all is decided like whether a round does (module doc): one
         admitted plainly observes nothing, so estimates priced low could never correct
         themselves (with the prior alone no request at batch 1 would draft). 0 where that k is 0."""
-        k = self.best_k_at(bucket, self.confidence)
-        if k == 0:
-            return 0.0
-        acceptance = self.acceptance_bounds(self.confidence) if self.confidence else None
-        expected = self.expected_tokens_all(acceptance)
-        step_s = self.costs_now(bucket, expected)
+        tokens, step_s = self._row_steps(bucket, self.acceptance_bounds(self.confidence) if self.confidence else None)
+        k = self._best_of(tokens, step_s)
         rows = self._measured_bucket(bucket) or bucket  # the batch the costs were measured at
-        return max(0.0, step_s[0] / expected[0] - step_s[k] / expected[k]) / rows
+        return max(0.0, step_s[0] / tokens[0] - step_s[k] / tokens[k]) / rows
 
     def drafting_pays_for(self, bucket: int, prompt_positions: int, new_tokens: int) -> bool:
         """Whether a request admitted into a batch of ``bucket`` with ``prompt_positions`` to draft

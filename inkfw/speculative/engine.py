@@ -502,7 +502,7 @@ class Engine:
         comes with no probe due before its lag could fill, stops drafting for good. ``num_rows``:
         the step's batch (its verify rows), whose bucket adaptive k chooses for."""
         bucket = bucket_for(num_rows, self.config.batch_buckets)
-        k = self._round_k(bucket, min(1.0, len(spans) / num_rows))
+        k = self._round_k(bucket, len(spans) / num_rows)  # num_rows >= len(spans) (step())
         if k == 0 and self.drafter.needs_hidden:
             probe_soon = self._probe_soon(bucket)
             for s in spans:
