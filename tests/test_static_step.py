@@ -6,9 +6,11 @@ the engine as it found it."""
 
 from __future__ import annotations
 
+import contextlib
 import random
+import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -22,6 +24,7 @@ from helpers.engine import (  # noqa: F401
     ngram,
     one_thread,
     outputs,
+    slow_first_calls,
     spec_model,
 )
 from inkfw.errors import ConfigError
@@ -29,7 +32,7 @@ from inkfw.models.inkling.layers import MoE
 from inkfw.profiling import count_host_reads
 from inkfw.speculative.adaptive import AdaptiveK, fit_step_costs, non_decreasing
 from inkfw.speculative.drafters.mtp import MtpDrafter
-from inkfw.speculative.engine import Engine, Request
+from inkfw.speculative.engine import Engine, Request, StepTimes
 from inkfw.speculative.reference import reference_draft_logits
 from inkfw.speculative.sampling import SamplingParams
 from inkfw.speculative.step import (
@@ -478,6 +481,76 @@ def test_every_compiled_step_skips_parameter_guards(monkeypatch):
     assert len(compiles) == 3  # no recompiles
 
 
+class _FakeCudaGraphs:
+    """``torch.cuda``'s stream and graph API on the CPU, as CUDA graphs behave: a function run
+    inside ``torch.cuda.graph(g)`` is recorded, not run (the step functions below ask
+    :attr:`capturing`), and ``g.replay()`` runs what was recorded."""
+
+    capturing: Callable[[Callable[[], object]], None] | None = None  # records one launch
+
+    def __init__(self, monkeypatch):
+        fake = self
+
+        class Stream:
+            def wait_stream(self, other):
+                pass
+
+        class Graph:
+            def __init__(self):
+                self.recorded: list[Callable[[], object]] = []
+
+            def replay(self):
+                for run in self.recorded:
+                    run()
+
+        @contextlib.contextmanager
+        def graph(g):
+            fake.capturing = g.recorded.append
+            try:
+                yield
+            finally:
+                fake.capturing = None
+
+        for name, value in {
+            "Stream": Stream,
+            "current_stream": Stream,
+            "stream": lambda s: contextlib.nullcontext(),
+            "CUDAGraph": Graph,
+            "graph": graph,
+            "synchronize": lambda: None,
+        }.items():
+            monkeypatch.setattr(torch.cuda, name, value)
+
+
+def test_a_captured_step_runs_its_in_place_effects_once_per_call(monkeypatch):
+    """The step functions update state in place (caches, the drafter's tail, drafts written into
+    their ext buffer), so capturing a step must not run it more often than it is called: the
+    first call runs it once and captures it, each later call replays it once, and replays
+    write their outputs into the graph's own tensors."""
+    cuda = _FakeCudaGraphs(monkeypatch)
+    state = torch.zeros(3)  # e.g. the drafter's tail: read, then updated in place
+    graph_out = torch.empty(3)
+
+    def step(x: torch.Tensor) -> torch.Tensor:  # [3] -> [3]
+        def run() -> torch.Tensor:
+            out = state + x
+            state.copy_(out)
+            return out
+
+        if cuda.capturing is None:
+            return run()
+        cuda.capturing(lambda: graph_out.copy_(run()))  # the graph's kernels write its output tensor
+        return graph_out
+
+    fn = StepFunction(step, "test-step", cuda_graphs=True)
+    x = torch.ones(3)
+    outs = [fn(x).clone() for _ in range(4)]
+    assert [o.tolist() for o in outs] == [[float(i)] * 3 for i in range(1, 5)]
+    assert state.tolist() == [4.0] * 3  # one update per call
+    assert len(fn._graphs) == 1 and fn.warmup_s > 0.0
+    assert fn(x) is graph_out  # replays hand out the graph's tensors
+
+
 def test_compiled_decode_reads_once_per_step(compiled):
     """Compiled, the many-expert MoE stays static: one host read per decode step."""
     _, _, steps, reads, _ = compiled
@@ -899,6 +972,29 @@ def test_warmup_leaves_the_engine_clean(model):
     fresh, _, _ = generate(model, mtp(2, 3), prompts, new, check_drafts=False)
     assert outputs(reqs) == outputs(fresh)
     assert engine.metrics.num_steps == sum(r.num_verify_steps for r in reqs)  # counted from zero
+
+
+def test_warmup_s_counts_first_compiles_met_while_generating(model, monkeypatch):
+    """A step shape first met while generating (a bucket the warm-up left out, a context whose
+    block table doubles) compiles or captures then: ``warmup_s`` counts those seconds once, with
+    :meth:`Engine.warmup`'s own (whose compiles its wall time already holds), and the step times
+    leave them out, so tokens/s and the step split measure decoding."""
+    compile_s = 0.3  # seconds each first call of a shape takes, as if it compiled
+    slow_first_calls(monkeypatch, compile_s)
+    engine, _ = make_engine(model, mtp(2, 3), check_drafts=False)
+    seconds = engine.warmup([1])
+    shapes = engine.step_compile_s / compile_s
+    assert shapes >= 2 and engine.warmup_s == pytest.approx(seconds)  # verify + draft round, inside the wall
+    engine.times = StepTimes()
+    reqs = [engine.add_request(p, max_new_tokens=12) for p in prompts_of(71, 4)]  # bucket 4: new shapes
+    t = time.perf_counter()
+    engine.generate(reqs)
+    wall = time.perf_counter() - t
+    new_shapes = engine.step_compile_s / compile_s - shapes
+    assert new_shapes >= 2
+    assert engine.warmup_s == pytest.approx(seconds + new_shapes * compile_s)
+    assert 0 < engine.times.total_s <= wall - new_shapes * compile_s  # the compiles are not step time
+    assert 0 < engine.times.forward_s <= engine.times.total_s
 
 
 def test_warmup_needs_an_idle_engine(model):

@@ -208,25 +208,33 @@ class StepFunction:
                 return out
             return self.fn(*args)
         graph = self._graphs.get(key)
-        if graph is None:
-            graph = self._graphs[key] = self._capture(args)
+        if graph is None:  # first call of this shape: run once, capture for the calls after it
+            self._graphs[key], out = self._capture(args)
+            return out
         graph[0].replay()
         return graph[2]
 
-    def _capture(self, args: tuple[torch.Tensor, ...]) -> tuple[Any, tuple[torch.Tensor, ...], Any]:
+    def _capture(self, args: tuple[torch.Tensor, ...]) -> tuple[tuple[Any, tuple[torch.Tensor, ...], Any], Any]:
+        """Run ``fn`` on ``args`` once for real, then capture its graph: ``((graph, args, graph
+        outputs), this call's outputs)``.
+
+        The step functions update state in place (the caches, the drafter's hidden tail, the
+        ext buffer its drafts are written into), so a warm-up run more than this call's would
+        apply them twice. One real run, on a side stream, does what warm-up runs are for
+        (compile, cuBLAS handles, allocator pools); capture records the kernels without running
+        them."""
         t = time.perf_counter()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up runs (compile, allocator) off the capture
-            for _ in range(2):
-                self.fn(*args)
+        with torch.cuda.stream(stream):
+            first = self.fn(*args)  # this call's step: its effects, once
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = self.fn(*args)
+            out = self.fn(*args)  # recorded, not run
         torch.cuda.synchronize()
         self.warmup_s += time.perf_counter() - t
-        return graph, args, out
+        return (graph, args, out), first
 
 
 class StepModes:
