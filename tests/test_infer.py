@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
+from helpers.engine import slow_first_calls
 from inkfw.errors import CheckpointError, ConfigError, InkfwError
 from inkfw.infer import run_infer
 from inkfw.paths import config_dir
@@ -258,6 +260,19 @@ def test_auto_k_measures_its_costs_before_generating(tmp_path):
     assert metrics["warmup_s"] > 0 and sum(metrics["chosen_k"].values()) > 0
     assert plain["metrics"]["chosen_k"] is None
     assert [r["token_ids"] for r in auto["requests"]] == [r["token_ids"] for r in plain["requests"]]
+
+
+def test_first_compiles_while_generating_stay_out_of_tokens_per_s(tmp_path, monkeypatch):
+    """A step shape compiled or captured while generating is warm-up: ``warmup_s`` reports it,
+    and ``wall_s`` (tokens/s) leaves it out."""
+    compile_s = 0.4
+    slow_first_calls(monkeypatch, compile_s)
+    t = time.perf_counter()
+    metrics = run_infer(make_cfg("prompt_token_ids=[3,4,5,6]", "max_new_tokens=6", "drafter=mtp"))["metrics"]
+    elapsed = time.perf_counter() - t
+    assert metrics["warmup_s"] >= 2 * compile_s  # the verify step and the drafting round, at least
+    assert 0 < metrics["wall_s"] <= elapsed - metrics["warmup_s"]
+    assert metrics["tokens_per_s"] == pytest.approx(metrics["num_generated_tokens"] / metrics["wall_s"])
 
 
 def test_sampling_is_seeded_and_consistent(tmp_path):

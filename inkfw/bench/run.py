@@ -126,9 +126,10 @@ class BenchOptions:
     forward_ops: list[str]
     forward_repeats: int
     interleave: str  # INTERLEAVE: runs take turns per prompt set or per batch
+    auto_modes: list[str] | None = None  # the modes that run k = auto (None: every mode)
 
     def runs(self) -> list[BenchRun]:
-        return plan_runs(self.drafters, self.num_tokens, self.modes, self.batch_sizes, self.hf)
+        return plan_runs(self.drafters, self.num_tokens, self.modes, self.batch_sizes, self.hf, self.auto_modes)
 
 
 def _count(value: Any, what: str, minimum: int = 1) -> int:
@@ -183,6 +184,9 @@ def bench_options(cfg: Any) -> BenchOptions:
         forward_ops=choices(cfg.forward_ops, "forward_ops", FORWARD_MODES, allow_empty=True),
         forward_repeats=_count(cfg.forward_repeats, "forward_repeats"),
         interleave=_one_of(cfg.interleave, "interleave", INTERLEAVE),
+        auto_modes=None
+        if cfg.get("auto_modes") is None
+        else choices(cfg.auto_modes, "auto_modes (null: every mode)", tuple(MODES), allow_empty=True),
     )
 
 
@@ -291,7 +295,10 @@ def _measure(case: Case, prompt_set: str, prompts: list[list[int]], max_new_toke
         timer.attached(engine.kv) if cache_time else contextlib.nullcontext(),
         case.profiling(prompt_set),
     ):
+        warmup_s = engine.warmup_s
         wall, outs = _generate(engine, prompts, max_new_tokens, f"{prompt_set} {case.run.name}")
+    wall -= engine.warmup_s - warmup_s  # compiles / captures of shapes first met in this run
+    case.warmup_s = engine.warmup_s
     case.timing(prompt_set).add_run(
         wall,
         sum(len(o) for o in outs),
@@ -540,6 +547,20 @@ class Rounds:
 
 
 # ------------------------------------------------------------------------ the run
+def hf_load_kwargs(cfg: Any) -> dict[str, Any]:
+    """``hf_load``: keyword arguments of the HF baselines' ``from_pretrained`` (a mapping; null
+    values are left to HF)."""
+    load = cfg.get("hf_load") or {}
+    if OmegaConf.is_config(load):
+        load = OmegaConf.to_container(load, resolve=True)
+    if not isinstance(load, dict) or not all(isinstance(k, str) for k in load):
+        raise ConfigError(
+            f"hf_load must map from_pretrained's argument names to values, e.g. "
+            f"hf_load.experts_implementation=eager; got {load!r}."
+        )
+    return {str(k): v for k, v in load.items() if v is not None}
+
+
 def run_bench(cfg: Any) -> dict[str, Any]:
     """Run the benchmark of ``cfg`` (``inkfw/conf/bench.yaml``); returns what ``bench.json`` holds.
     ``report["exactness"]["ok"]`` is False when greedy outputs differed (the script exits 1)."""
@@ -603,7 +624,9 @@ def run_bench(cfg: Any) -> dict[str, Any]:
         progress=lambda line: console.print(line, markup=False, highlight=False),
     )
     hf = (
-        HfBaseline(resolve_path(cfg.model.path), dtype, device, mcfg.eos_token_ids, opts.ignore_eos)
+        HfBaseline(
+            resolve_path(cfg.model.path), dtype, device, mcfg.eos_token_ids, opts.ignore_eos, hf_load_kwargs(cfg)
+        )
         if opts.hf
         else None
     )
@@ -622,6 +645,7 @@ def run_bench(cfg: Any) -> dict[str, Any]:
                 for prompts in prompt_sets.values() if opts.warmup_tokens else []:
                     warm = batch_requests(prompts[: run.batch_size], run.batch_size)
                     _generate(case.engine, warm, opts.warmup_tokens, run.name)
+                case.warmup_s = case.engine.warmup_s  # with the short batches' compiles / captures
                 progress.console.print(f"  warm-up {run.name}: {case.warmup_s:.1f}s", markup=False, highlight=False)
             elif run.system == "hf" and opts.warmup_tokens:
                 assert hf is not None

@@ -141,6 +141,11 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
 
+def _compile_s(part: object) -> float:
+    """Compile / capture seconds of a verifier's or drafter's step functions (0: it has none)."""
+    return float(getattr(part, "warmup_s", 0.0))
+
+
 @dataclass
 class StepTimes:
     draft_s: float = 0.0
@@ -206,7 +211,8 @@ class Engine:
         for part in (verifier, drafter):
             if hasattr(part, "set_step_mode"):
                 part.set_step_mode(compile=self.config.compile, cuda_graphs=graphs)  # type: ignore[attr-defined]
-        self.warmup_s = 0.0  # compile / capture / cost measurement (Engine.warmup), not in tokens/s
+        self._warmup_wall_s = 0.0  # Engine.warmup's own seconds
+        self._step_compile_in_warmup_s = 0.0  # the step functions' compile / capture seconds within them
         self._forced_k: int | None = None  # warm-up: every round drafts this many
         self.k_chosen: collections.Counter[int] = collections.Counter()  # k of each drafting round
 
@@ -280,6 +286,20 @@ class Engine:
         return list(requests)
 
     # -------------------------------------------------------------------- warm-up
+    @property
+    def step_compile_s(self) -> float:
+        """Seconds the verify and draft step functions have spent compiling (``engine.compile``)
+        or capturing (``engine.cuda_graphs``) shapes at their first call, warm-up or not."""
+        return _compile_s(self.verifier) + _compile_s(self.drafter)
+
+    @property
+    def warmup_s(self) -> float:
+        """Seconds of warm-up, which tokens/s figures leave out: :meth:`warmup`'s, plus compiles
+        and captures of step shapes first met while generating (a context whose block table
+        doubles, a bucket the warm-up did not cover). Callers timing a run subtract the growth
+        of this over the run from its wall time."""
+        return self._warmup_wall_s + self.step_compile_s - self._step_compile_in_warmup_s
+
     @torch.no_grad()
     def warmup(self, batch_sizes: Sequence[int] | None = None, timed_steps: int = 3, cost_rounds: int = 3) -> float:
         """Compile (``engine.compile``) or capture (``engine.cuda_graphs``) the step functions for
@@ -290,7 +310,7 @@ class Engine:
         :attr:`warmup_s`, which tokens/s figures leave out."""
         if self.has_unfinished():
             raise RuntimeError("Engine.warmup needs an idle engine (no waiting or running requests).")
-        t0 = time.perf_counter()
+        t0, compile_s = time.perf_counter(), self.step_compile_s
         saved = self.metrics, self.times, self.k_chosen, self.eos_ids
         self.eos_ids = set()  # run every throwaway request to its length
         self.metrics, self.times, self.k_chosen = SpecMetrics(), StepTimes(), collections.Counter()
@@ -325,7 +345,8 @@ class Engine:
             self._forced_k = None
             self.metrics, self.times, self.k_chosen, self.eos_ids = saved
         seconds = time.perf_counter() - t0
-        self.warmup_s += seconds
+        self._warmup_wall_s += seconds
+        self._step_compile_in_warmup_s += self.step_compile_s - compile_s
         return seconds
 
     def _measure_step_costs(
@@ -390,6 +411,7 @@ class Engine:
         """
         t0 = time.perf_counter()
         fwd0 = self.clock.seconds
+        compiling = _compile_s(self.verifier), _compile_s(self.drafter)  # first calls of a shape: warm-up
         self._failed: list[Request] = []
         prefills, decodes = self._schedule()
         finished: list[Request] = list(self._failed)
@@ -454,10 +476,12 @@ class Engine:
         for r in finished:
             self._release(r)
         t3 = time.perf_counter()
-        self.times.verify_s += t1 - t0
-        self.times.draft_s += t2 - t1
+        # compile / capture seconds of this step count as warm-up (warmup_s), not as step time
+        verify_c, draft_c = _compile_s(self.verifier) - compiling[0], _compile_s(self.drafter) - compiling[1]
+        self.times.verify_s += t1 - t0 - verify_c
+        self.times.draft_s += t2 - t1 - draft_c
         self.times.bookkeeping_s += t3 - t2
-        self.times.forward_s += self.clock.seconds - fwd0
+        self.times.forward_s += self.clock.seconds - fwd0 - verify_c - draft_c
         self.times.num_steps += 1
         for obs in self.observers:
             obs.on_step_end(self, finished)

@@ -5,6 +5,7 @@ that accepts a random number of drafts, one that accepts every draft, an oracle 
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Sequence
 
 import pytest
@@ -19,6 +20,7 @@ from inkfw.speculative.factory import build_engine, serving_config
 from inkfw.speculative.interfaces import Drafts, Verdict
 from inkfw.speculative.observers import run_directly
 from inkfw.speculative.sampling import Sampler, SamplingParams
+from inkfw.speculative.step import StepFunction
 from inkfw.speculative.verifier import TargetVerifier
 
 WINDOW = 16  # target sliding window: prompts go up to 40 tokens, well past it
@@ -269,3 +271,19 @@ class FixedTokenSampler(Sampler):
             torch.full(logits.shape[:-1], self.token, device=logits.device), logits.shape[-1]
         ).to(probs.dtype)
         return torch.where(sampled.view(-1, *[1] * (logits.dim() - 1)), fixed, probs)
+
+
+def slow_first_calls(monkeypatch, seconds: float) -> None:
+    """Make every step function's first call of a shape take ``seconds`` more and count them as
+    its compile / capture time (``warmup_s``), as ``engine.compile`` or CUDA graphs would."""
+    first_call = StepFunction._call
+
+    def compiling(self, args):
+        key = tuple((tuple(a.shape), a.dtype, a.data_ptr()) for a in args)
+        if key not in self._seen:
+            self._seen.add(key)
+            time.sleep(seconds)
+            self.warmup_s += seconds
+        return first_call(self, args)
+
+    monkeypatch.setattr(StepFunction, "_call", compiling)
