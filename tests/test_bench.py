@@ -23,7 +23,7 @@ from inkfw.bench.exactness import ExactnessCheck, differing_requests, first_diff
 from inkfw.bench.hf_baseline import HfBaseline
 from inkfw.bench.plan import BenchRun, interleaved_batches, plan_runs, round_order
 from inkfw.bench.prompt_sets import batch_requests, load_prompt_set
-from inkfw.bench.run import adaptive_predicted_speedup, add_repeat_ratios, add_speedups
+from inkfw.bench.run import adaptive_predicted_speedup, add_repeat_ratios, add_speedups, bench_options, hf_load_kwargs
 from inkfw.bench.timing import predicted_speedup
 from inkfw.errors import ConfigError
 from inkfw.eval_acceptance import humaneval_prompts
@@ -84,6 +84,19 @@ def test_plan_expands_the_lists_into_one_round():
     only = plan_runs(["mtp"], [1, 8], ["eager"], [4], [])
     assert [r.name for r in only] == ["eager mtp k=1 b4", "eager mtp k=8 b4"]
     assert only[0] == BenchRun("inkfw", "eager", "mtp", 1, 4)
+    # auto_modes: k = auto in those modes only (the GPU check: with CUDA graphs)
+    gpu = plan_runs(["none", "mtp"], [8, "auto"], ["eager", "graphs"], [1], [], auto_modes=["graphs"])
+    assert [r.name for r in gpu] == [
+        "eager none b1",
+        "eager mtp k=8 b1",
+        "graphs none b1",
+        "graphs mtp k=8 b1",
+        "graphs mtp k=auto b1",
+    ]
+    assert [r.name for r in bench_options(bench_cfg(name="bench_gpu")).runs() if r.num_tokens == "auto"] == [
+        "graphs mtp k=auto b1",
+        "graphs mtp k=auto b16",
+    ]
     # repeats alternate the plan's order and its reverse
     assert [round_order(runs, rep) for rep in range(3)] == [runs, runs[::-1], runs]
 
@@ -132,6 +145,31 @@ def test_hf_baseline_counts_the_tokens_it_generated():
     assert len(stopped.outputs[0]) == 1 and stopped.tokens == 1 + len(stopped.outputs[1])
     ignoring = HfBaseline(CKPT, torch.float32, torch.device("cpu"), [eos], ignore_eos=True)
     assert ignoring.generate(prompts, 3, use_mtp=False).tokens == 6
+
+
+def test_hf_load_passes_from_pretrained_arguments_and_leaves_nulls_to_hf():
+    """``hf_load``: from_pretrained arguments of the HF model (the GPU check loads HF's per-expert
+    MoE loop, ``experts_implementation=eager``); null leaves HF's choice, a non-mapping is refused."""
+    assert hf_load_kwargs(bench_cfg()) == {}  # null: HF's default (grouped_mm)
+    assert hf_load_kwargs(bench_cfg(name="bench_gpu")) == {"experts_implementation": "eager"}
+    chosen = HfBaseline(
+        CKPT,
+        torch.float32,
+        torch.device("cpu"),
+        [2],
+        True,
+        hf_load_kwargs(bench_cfg("hf_load.experts_implementation=eager")),
+    )
+    default = HfBaseline(CKPT, torch.float32, torch.device("cpu"), [2], True, hf_load_kwargs(bench_cfg()))
+    assert (chosen.model.config._experts_implementation, default.model.config._experts_implementation) == (
+        "eager",
+        "grouped_mm",
+    )
+    tok = load_tokenizer({"path": str(CKPT)})
+    prompts = load_prompt_set("stdlib-heldout", tok, 1, 4096, 32, 0)
+    assert chosen.generate(prompts, 3, use_mtp=False).outputs == default.generate(prompts, 3, use_mtp=False).outputs
+    with pytest.raises(ConfigError, match="hf_load must map from_pretrained's argument names"):
+        hf_load_kwargs({"hf_load": ["experts_implementation=eager"]})
 
 
 # ------------------------------------------------------------------ exactness

@@ -62,12 +62,18 @@ class HfBaseline:
     """HF's model loaded from ``path`` (``dtype`` on ``device``), generating greedily."""
 
     def __init__(
-        self, path: str | Path, dtype: torch.dtype, device: torch.device, eos_token_ids: list[int], ignore_eos: bool
+        self,
+        path: str | Path,
+        dtype: torch.dtype,
+        device: torch.device,
+        eos_token_ids: list[int],
+        ignore_eos: bool,
+        load_kwargs: dict[str, Any] | None = None,
     ):
         from transformers import InklingForConditionalGeneration
 
-        with _quiet_transformers():
-            model: Any = InklingForConditionalGeneration.from_pretrained(str(path), dtype=dtype)
+        with _quiet_transformers():  # load_kwargs: from_pretrained's, e.g. experts_implementation
+            model: Any = InklingForConditionalGeneration.from_pretrained(str(path), dtype=dtype, **(load_kwargs or {}))
         self.model = model.to(device).eval()
         self.device = device
         self.eos_token_ids = [] if ignore_eos else list(eos_token_ids)

@@ -112,15 +112,18 @@ def plan_runs(
     modes: list[str],
     batch_sizes: list[int],
     hf: list[str],
+    auto_modes: list[str] | None = None,
 ) -> list[BenchRun]:
     """The runs of one round, in order: the HF baselines (batch 1), then per batch size, mode
-    and drafter the inkfw runs (``none`` once, any other drafter once per k)."""
+    and drafter the inkfw runs (``none`` once, any other drafter once per k; k = auto only in
+    ``auto_modes``, None: in every mode)."""
     runs = [BenchRun("hf", HF_MODE, "mtp" if HF_SYSTEMS[s] else "none", 0, HF_BATCH_SIZE) for s in hf]
     for batch in batch_sizes:
         for mode in modes:
             for drafter in drafters:
                 for k in [0] if drafter == "none" else num_tokens:
-                    runs.append(BenchRun("inkfw", mode, drafter, k, batch))
+                    if k != AUTO or auto_modes is None or mode in auto_modes:
+                        runs.append(BenchRun("inkfw", mode, drafter, k, batch))
     return runs
 
 
