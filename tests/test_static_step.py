@@ -37,6 +37,7 @@ from inkfw.speculative.reference import reference_draft_logits
 from inkfw.speculative.sampling import SamplingParams
 from inkfw.speculative.step import (
     DEFAULT_BUCKETS,
+    StepBuffers,
     StepFunction,
     bucket_for,
     cpu_outer_loop_fusion_off,
@@ -181,6 +182,43 @@ def staged_log(buffers) -> dict:
 
     buffers.stage = stage
     return log
+
+
+def test_staged_host_values_reach_the_device_in_one_copy_per_dtype():
+    """``StepBuffers``: a staged list is written at :meth:`flush`, all lists of one dtype in one
+    copy, into buffers that keep their ``data_ptr``; tensors are copied at once."""
+    buffers = StepBuffers("cpu")
+    a = buffers.stage("a", [1, 2, 3])
+    table = buffers.stage("table", [[4, 5], [6, 7]])
+    valid = buffers.stage("valid", [True, False], torch.bool)
+    hidden = buffers.stage("hidden", torch.ones(2, 3), torch.float32)
+    assert buffers.num_copies == 1 and hidden.tolist() == [[1.0] * 3] * 2  # the tensor, already
+    buffers.flush()
+    assert (a.tolist(), table.tolist(), valid.tolist()) == ([1, 2, 3], [[4, 5], [6, 7]], [True, False])
+    assert buffers.num_copies == 3  # long and bool: one copy each
+    again = buffers.stage("table", [[8, 9], [10, 11]])
+    assert again is table and table.tolist() == [[4, 5], [6, 7]]  # written at the next flush
+    buffers.flush()
+    assert table.tolist() == [[8, 9], [10, 11]] and buffers.num_copies == 4
+    assert buffers.stage("empty", [[], []]).shape == (2, 0)
+    with pytest.raises(ValueError, match="rows of unequal length"):
+        buffers.stage("ragged", [[1], [2, 3]])
+
+
+def test_a_decode_step_copies_host_values_once_per_dtype(static_moe_model):
+    """A decode step stages ~10 verify inputs and ~20 drafting-round inputs (k = 4, two depths'
+    tables), and copies them to the device in at most 3 copies each: one per dtype (long,
+    bool) and the one tensor (drafts, hidden)."""
+    engine, _ = make_engine(static_moe_model, mtp(2, 4), check_drafts=False)
+    verifier, drafter = parts(engine)
+    reqs = prefill(engine, prompts_of(31, 3, lo=6, hi=10), 10)
+    while not all(r.finished for r in reqs):
+        before = [verifier.buffers.num_copies, drafter.buffers.num_copies]
+        staged = [len(verifier.buffers._pending), len(drafter.buffers._pending)]
+        engine.step()
+        copies = [verifier.buffers.num_copies - before[0], drafter.buffers.num_copies - before[1]]
+        assert staged == [0, 0] and copies[0] == 3 and copies[1] <= 3
+    assert len(verifier.buffers) >= 7 and len(drafter.buffers) >= 15
 
 
 def is_table(key) -> bool:

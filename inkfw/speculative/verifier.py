@@ -80,6 +80,7 @@ class TargetVerifier(StepModes):
         ]
         for table, base in tables.values():
             args += [table, base]
+        self.buffers.flush()  # the staged host values, one copy per dtype
         hidden, logits, num_accepted, next_tokens = run(self._function(kv, len(tables)), *args)
         if not all(r.sampling.greedy for r in requests) or type(self).accept is not TargetVerifier.accept:
             num_accepted, next_tokens = self.accept(logits[:B], requests, drafts)  # sampled (or a subclass's rule)

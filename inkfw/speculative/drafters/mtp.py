@@ -245,6 +245,7 @@ class MtpDrafter(StepModes):
             for gi in kv.group_indices(d):
                 table_args += list(tables[gi])
         args = (self.buffers.stage("hidden", hidden, hidden.dtype), *rows_t, *table_args)
+        self.buffers.flush()  # the staged host values, one copy per dtype
 
         params = [s.request.sampling for s in spans]
         greedy = all(p.greedy for p in params)
