@@ -10,19 +10,24 @@ Reported per decode step (:func:`step_parts`): wall time, split by the self time
 into matmuls, attention, inductor's fused kernels, compiled-graph glue, dynamo's guard checks,
 other aten ops, and the host time outside every profiled op (Python: scheduling, staging,
 bookkeeping); and the ops that cost most. Profiled times run somewhat slower than unprofiled ones.
+Counted on as many decode steps before the profile (:class:`OpsOutsideSteps`): the aten ops issued
+outside the step functions, which a GPU runs eagerly beside the CUDA graphs, and those inside.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from rich.console import Console
 from rich.table import Table
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from inkfw.errors import ConfigError
+from inkfw.speculative.step import StepFunction
 
 # (part, does an event of this name belong to it); the first match wins, the rest is "other aten ops"
 PARTS: tuple[tuple[str, Any], ...] = (
@@ -60,12 +65,36 @@ def _is_decoding(request) -> bool:
     return request.num_computed >= len(request.token_ids) - 1
 
 
+class OpsOutsideSteps(TorchDispatchMode):
+    """Counts the aten ops issued outside the step functions (:class:`StepFunction`): on a GPU
+    they run eagerly, beside the CUDA graphs (staging, slicing, bookkeeping), each a launch and
+    its dispatch; and those issued inside them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outside: Counter[str] = Counter()
+        self.inside = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if StepFunction.running:
+            self.inside += 1
+        else:
+            self.outside[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
 def profile_decode_steps(engine, prompts: list[list[int]], steps: int, max_new_tokens: int) -> dict[str, Any]:
-    """Prefill ``prompts`` unprofiled, profile up to ``steps`` decode steps; aborts what is left."""
+    """Prefill ``prompts`` unprofiled, count the ops of up to ``steps`` decode steps (those outside
+    the step functions by name), then profile up to ``steps`` more; aborts what is left."""
     engine.eos_ids = set()  # every request runs to its length
     requests = [engine.add_request(p, max_new_tokens=max_new_tokens) for p in prompts]
     while not all(_is_decoding(r) for r in requests):
         engine.step()
+    counted, ops = 0, OpsOutsideSteps()
+    with torch.no_grad(), ops:
+        while counted < steps and any(not r.finished for r in requests):
+            engine.step()
+            counted += 1
     done = 0
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
@@ -78,7 +107,13 @@ def profile_decode_steps(engine, prompts: list[list[int]], steps: int, max_new_t
     if done == 0:
         raise ConfigError("no decode step ran: raise max_new_tokens.")
     events = [(e.key, e.count, e.self_cpu_time_total / 1e6) for e in prof.key_averages()]
-    return {"steps": done, "wall_s": wall_s, "events": events}
+    outside = {
+        "steps": counted,
+        "outside_per_step": sum(ops.outside.values()) / max(1, counted),
+        "inside_per_step": ops.inside / max(1, counted),
+        "outside_by_op": {name: n / max(1, counted) for name, n in ops.outside.most_common()},
+    }
+    return {"steps": done, "wall_s": wall_s, "events": events, "ops": outside}
 
 
 def report_step_profile(cfg: Any) -> dict[str, Any]:
@@ -117,6 +152,7 @@ def report_step_profile(cfg: Any) -> dict[str, Any]:
         "steps": steps,
         "step_ms": 1e3 * run["wall_s"] / steps,
         "parts_ms": parts,
+        "aten_ops": run["ops"],
         "top_ops": [
             {"name": n, "calls_per_step": c / steps, "us_per_call": 1e6 * s / c, "ms_per_step": 1e3 * s / steps}
             for n, c, s in top
@@ -149,6 +185,14 @@ def _print(result: dict[str, Any]) -> None:
     for part, ms in result["parts_ms"].items():
         parts.add_row(part, f"{ms:.2f}", f"{100 * ms / result['step_ms']:.0f} %")
     console.print(parts)
+    counts = result["aten_ops"]
+    top = ", ".join(f"{name} {n:.1f}" for name, n in list(counts["outside_by_op"].items())[:6])
+    console.print(
+        f"aten ops per decode step over {counts['steps']} steps: {counts['outside_per_step']:.1f} outside the step "
+        f"functions (eager beside CUDA graphs: {top}), {counts['inside_per_step']:.1f} inside them",
+        markup=False,
+        highlight=False,
+    )
     ops = Table(title="costliest ops (self time)")
     for column in ("op", "calls / step", "µs / call", "ms / step"):
         ops.add_column(column, justify="left" if column == "op" else "right")

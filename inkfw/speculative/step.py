@@ -234,9 +234,15 @@ class StepFunction:
         self._seen: set[tuple] = set()
         self.warmup_s = 0.0
 
+    running = 0  # step-function calls in progress (ops issued meanwhile run inside one)
+
     def __call__(self, *args: torch.Tensor) -> Any:
-        with static_moe():  # no MoE host reads, whatever the batch: static shapes throughout
-            return self._call(args)
+        StepFunction.running += 1
+        try:
+            with static_moe():  # no MoE host reads, whatever the batch: static shapes throughout
+                return self._call(args)
+        finally:
+            StepFunction.running -= 1
 
     def _call(self, args: tuple[torch.Tensor, ...]) -> Any:
         key = tuple((tuple(a.shape), a.dtype, a.data_ptr()) for a in args)
