@@ -408,6 +408,7 @@ class PagedKVManager:
         self.device = device
         self._tables: dict[Hashable, list[list[int]]] = {}
         self._fresh_blocks: dict[int, list[int]] = {}  # group -> blocks allocated, tags not yet cleared
+        self._tags_by_block = [g.slot_pos.view(-1, bs) for g in self.groups]
         self._hashes: dict[Hashable, list[bytes]] = {}  # block hashes of the registered blocks, in order
         self._num_draft_registered: dict[Hashable, int] = {}  # of those, blocks registered in draft groups
 
@@ -511,9 +512,8 @@ class PagedKVManager:
         (per block, a batch of 16 drafting requests cleared ~90 blocks a step: ~270 eager ops on
         a GPU). A block's tags may still name positions of the request that held it last."""
         for gi, blocks in self._fresh_blocks.items():
-            g = self.groups[gi]
-            rows = torch.tensor(blocks, dtype=torch.long, device=g.slot_pos.device)
-            g.slot_pos.view(-1, self.block_size).index_fill_(0, rows, EMPTY_POSITION)
+            tags = self._tags_by_block[gi]  # [num_blocks + 1, block_size], a view of the group's slot_pos
+            tags.index_fill_(0, torch.tensor(blocks, dtype=torch.long, device=tags.device), EMPTY_POSITION)
         self._fresh_blocks.clear()
 
     def free(self, rid: Hashable) -> None:

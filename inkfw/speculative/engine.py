@@ -435,6 +435,7 @@ class Engine:
             self.metrics.record(counts, accepted)
             if self.adaptive is not None and self._forced_k is None:
                 self.adaptive.observe(counts, accepted)
+            hiddens = verdict.hidden.unbind(0)  # one op for every row's [1 + k, H]
             for b, r in enumerate(decodes):
                 a, n, L = accepted[b], counts[b], len(r.token_ids)
                 r.num_verify_steps += 1
@@ -446,7 +447,7 @@ class Engine:
                     finished.append(r)
                     continue
                 r.num_computed = L + a
-                spans.append(DraftSpan(r, L - 1, verdict.hidden[b], a, self._num_drafts(r), r.slot or 0, a + 1))
+                spans.append(DraftSpan(r, L - 1, hiddens[b], a, self._num_drafts(r), r.slot or 0, a + 1))
         t1 = time.perf_counter()
 
         # draft (not for requests that stopped drafting)

@@ -217,9 +217,13 @@ class MtpDrafter(StepModes):
         draft_at += [0] * pad
         ext += [[0] * E] * pad
         ends = [s + n - 1 for s, n in zip(starts, lengths)]
-        hidden = torch.stack(
-            [F.pad(h, (0, 0, 0, Th - len(h))) for h in hiddens] + [hiddens[0].new_zeros(Th, hiddens[0].shape[-1])] * pad
-        )  # [B, Th, H]
+        if all(len(h) == len(hiddens[0]) for h in hiddens):  # decode spans: each its verify's k + 1 rows
+            hidden = F.pad(torch.stack(hiddens), (0, 0, 0, Th - len(hiddens[0]), 0, pad))  # [B, Th, H], 2 ops
+        else:
+            hidden = torch.stack(
+                [F.pad(h, (0, 0, 0, Th - len(h))) for h in hiddens]
+                + [hiddens[0].new_zeros(Th, hiddens[0].shape[-1])] * pad
+            )  # [B, Th, H]
 
         stage = self.buffers.stage
         # decode positions are computed here on the host: positions computed inside a compiled graph
