@@ -589,6 +589,63 @@ def test_a_captured_step_runs_its_in_place_effects_once_per_call(monkeypatch):
     assert fn(x) is graph_out  # replays hand out the graph's tensors
 
 
+def simulate_cuda_graphs(monkeypatch) -> list[int]:
+    """CUDA-graph semantics on the CPU for every step function: the first call of a shape runs
+    for real and "captures" its inputs; each later call replays the function on those same
+    input tensors and writes its results into the graph's own output tensors, handed out every
+    time (a reader that keeps an output past the next replay sees it overwritten). Returns a
+    one-element list counting the replays."""
+    replays = [0]
+
+    def capture(self, args):
+        first = self.fn(*args)
+        owned = tuple(t.clone() for t in first) if isinstance(first, tuple) else first.clone()
+
+        class Graph:
+            @staticmethod
+            def replay():
+                out = self.fn(*args)
+                for dst, src in zip(owned, out) if isinstance(owned, tuple) else [(owned, out)]:
+                    dst.copy_(src)
+                replays[0] += 1
+
+        return (Graph(), args, owned), first
+
+    monkeypatch.setattr(StepFunction, "_capture", capture)
+    return replays
+
+
+RANDOM_K = ["drafter=mtp", "mtp.depths=4", "spec.num_tokens=auto"]  # k drawn per round below
+
+
+@pytest.mark.parametrize("drafter", [mtp(2, 3), mtp(2, 4), RANDOM_K], ids=["k3", "k4", "random-k"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_replayed_steps_overwrite_their_outputs_and_decode_exactly(model, monkeypatch, drafter, batch):
+    """With graph replay's output reuse (simulated on the CPU), the engine still emits eager
+    decoding's tokens and accepts exactly as many drafts: nothing it keeps from one step's
+    outputs is read after the next replay overwrote them (random-k: shallow rounds keep verify
+    rows for deeper depths, read when those catch up)."""
+    prompts = prompts_of(40 + batch, batch, lo=6, hi=14)
+
+    def run(graphs: bool) -> list[Request]:
+        engine, kv = make_engine(model, drafter, check_drafts=False, max_num_seqs=batch)
+        if drafter is RANDOM_K:
+            rng = random.Random(batch)
+            engine._round_k = lambda bucket, share: rng.choice([1, 1, 2, 3, 4])  # type: ignore[method-assign]
+        for part in parts(engine) if graphs else ():
+            part.set_step_mode(cuda_graphs=True)
+        reqs = engine.generate([engine.add_request(p, max_new_tokens=20) for p in prompts])
+        assert kv.is_whole()
+        return reqs
+
+    eager = run(graphs=False)
+    replays = simulate_cuda_graphs(monkeypatch)
+    replayed = run(graphs=True)
+    assert outputs(replayed) == outputs(eager)
+    assert [r.num_accepted_tokens for r in replayed] == [r.num_accepted_tokens for r in eager]  # the same drafts
+    assert replays[0] >= 10
+
+
 def test_compiled_decode_reads_once_per_step(compiled):
     """Compiled, the many-expert MoE stays static: one host read per decode step."""
     _, _, steps, reads, _ = compiled
