@@ -212,11 +212,16 @@ class Case:
     run: BenchRun
     engine: Engine
     forwards: PhaseForwardTimer
-    warmup_s: float
     profile: bool = False  # cProfile the measured runs, one profiler per prompt set
     timings: dict[str, CaseTiming] = field(default_factory=dict)
     profilers: dict[str, ProfilerPause] = field(default_factory=dict)
     chosen_k: dict[str, Counter[int]] = field(default_factory=dict)  # auto: k -> engine steps, per set
+
+    @property
+    def warmup_s(self) -> float:
+        """The engine's warm-up: Engine.warmup, and compiles / captures met in the warm batch or
+        the measured runs (left out of their wall time)."""
+        return self.engine.warmup_s
 
     def timing(self, prompt_set: str) -> CaseTiming:
         if prompt_set not in self.timings:
@@ -263,8 +268,8 @@ def _build_case(cfg: Any, run: BenchRun, model, tokenizer, max_model_len: int, i
     # compile / capture, step costs for auto, at every bucket the run's batches pass through: as
     # requests finish at different steps a batch of B shrinks through the buckets below B, and a
     # bucket first met while measuring would time its compiles (minutes on a CPU) as decoding
-    warmup_s = engine.warmup(range(1, run.batch_size + 1))
-    return Case(run, engine, forwards, warmup_s, profile=bool(cfg.profile))
+    engine.warmup(range(1, run.batch_size + 1))
+    return Case(run, engine, forwards, profile=bool(cfg.profile))
 
 
 def _generate(
@@ -298,7 +303,6 @@ def _measure(case: Case, prompt_set: str, prompts: list[list[int]], max_new_toke
         warmup_s = engine.warmup_s
         wall, outs = _generate(engine, prompts, max_new_tokens, f"{prompt_set} {case.run.name}")
     wall -= engine.warmup_s - warmup_s  # compiles / captures of shapes first met in this run
-    case.warmup_s = engine.warmup_s
     case.timing(prompt_set).add_run(
         wall,
         sum(len(o) for o in outs),
@@ -550,9 +554,7 @@ class Rounds:
 def hf_load_kwargs(cfg: Any) -> dict[str, Any]:
     """``hf_load``: keyword arguments of the HF baselines' ``from_pretrained`` (a mapping; null
     values are left to HF)."""
-    load = cfg.get("hf_load") or {}
-    if OmegaConf.is_config(load):
-        load = OmegaConf.to_container(load, resolve=True)
+    load = plain(cfg.get("hf_load")) or {}
     if not isinstance(load, dict) or not all(isinstance(k, str) for k in load):
         raise ConfigError(
             f"hf_load must map from_pretrained's argument names to values, e.g. "
@@ -645,7 +647,6 @@ def run_bench(cfg: Any) -> dict[str, Any]:
                 for prompts in prompt_sets.values() if opts.warmup_tokens else []:
                     warm = batch_requests(prompts[: run.batch_size], run.batch_size)
                     _generate(case.engine, warm, opts.warmup_tokens, run.name)
-                case.warmup_s = case.engine.warmup_s  # with the short batches' compiles / captures
                 progress.console.print(f"  warm-up {run.name}: {case.warmup_s:.1f}s", markup=False, highlight=False)
             elif run.system == "hf" and opts.warmup_tokens:
                 assert hf is not None

@@ -68,15 +68,34 @@ def _is_decoding(request) -> bool:
 class OpsOutsideSteps(TorchDispatchMode):
     """Counts the aten ops issued outside the step functions (:class:`StepFunction`): on a GPU
     they run eagerly, beside the CUDA graphs (staging, slicing, bookkeeping), each a launch and
-    its dispatch; and those issued inside them."""
+    its dispatch; and those issued inside them. While counting, step-function calls are marked
+    (nothing is added to them otherwise)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.outside: Counter[str] = Counter()
         self.inside = 0
+        self._running = 0  # step-function calls in progress
+
+    def __enter__(self):
+        call = self._call = StepFunction.__call__
+
+        def marked(step: StepFunction, *args: torch.Tensor) -> Any:
+            self._running += 1
+            try:
+                return call(step, *args)
+            finally:
+                self._running -= 1
+
+        StepFunction.__call__ = marked  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        StepFunction.__call__ = self._call  # type: ignore[method-assign]
+        super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if StepFunction.running:
+        if self._running:
             self.inside += 1
         else:
             self.outside[str(func.overloadpacket)] += 1

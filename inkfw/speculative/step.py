@@ -234,18 +234,18 @@ class StepFunction:
         self._seen: set[tuple] = set()
         self.warmup_s = 0.0
 
-    running = 0  # step-function calls in progress (ops issued meanwhile run inside one)
-
     def __call__(self, *args: torch.Tensor) -> Any:
-        StepFunction.running += 1
-        try:
-            with static_moe():  # no MoE host reads, whatever the batch: static shapes throughout
-                return self._call(args)
-        finally:
-            StepFunction.running -= 1
+        with static_moe():  # no MoE host reads, whatever the batch: static shapes throughout
+            return self._call(args)
+
+    @staticmethod
+    def shape_key(args: Sequence[torch.Tensor]) -> tuple:
+        """What a compiled graph or a CUDA graph is specific to: each input's shape, dtype and
+        storage (a new persistent buffer is a new capture)."""
+        return tuple((tuple(a.shape), a.dtype, a.data_ptr()) for a in args)
 
     def _call(self, args: tuple[torch.Tensor, ...]) -> Any:
-        key = tuple((tuple(a.shape), a.dtype, a.data_ptr()) for a in args)
+        key = self.shape_key(args)
         if not self.cuda_graphs:
             if self.compiled and key not in self._seen:  # first call of a shape: compiles
                 for a in args[self.tables_from :]:  # one graph for every table width (context length)

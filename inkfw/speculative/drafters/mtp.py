@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 from inkfw.errors import ConfigError
 from inkfw.kernels import Kernels
@@ -217,13 +218,11 @@ class MtpDrafter(StepModes):
         draft_at += [0] * pad
         ext += [[0] * E] * pad
         ends = [s + n - 1 for s, n in zip(starts, lengths)]
-        if all(len(h) == len(hiddens[0]) for h in hiddens):  # decode spans: each its verify's k + 1 rows
-            hidden = F.pad(torch.stack(hiddens), (0, 0, 0, Th - len(hiddens[0]), 0, pad))  # [B, Th, H], 2 ops
-        else:
-            hidden = torch.stack(
-                [F.pad(h, (0, 0, 0, Th - len(h))) for h in hiddens]
-                + [hiddens[0].new_zeros(Th, hiddens[0].shape[-1])] * pad
-            )  # [B, Th, H]
+        longest = max(len(h) for h in hiddens)
+        # decode spans all hold their verify's k + 1 rows: one stack (a pad per row otherwise)
+        same = all(len(h) == longest for h in hiddens)
+        rows = torch.stack(hiddens) if same else pad_sequence(list(hiddens), batch_first=True)  # [n, longest, H]
+        hidden = F.pad(rows, (0, 0, 0, Th - longest, 0, pad))  # [B, Th, H]
 
         stage = self.buffers.stage
         # decode positions are computed here on the host: positions computed inside a compiled graph
