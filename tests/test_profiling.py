@@ -172,6 +172,19 @@ def test_step_parts_sorts_events_and_leaves_the_rest_to_the_host():
     assert sum(parts.values()) == pytest.approx(5.0)
 
 
+def test_gpu_kernels_counts_per_step_and_ranks_by_device_time():
+    from inkfw.bench.step_profile import gpu_kernels
+
+    kernels = [("ampere_sgemm", 40, 0.004), ("triton_poi_fused_add_0", 100, 0.001), ("memcpy", 0, 0.0)]
+    gpu = gpu_kernels(kernels, wall_s=0.010, steps=2, top=2)  # 5 ms per step
+    assert gpu["kernels_per_step"] == 70
+    assert gpu["kernel_ms_per_step"] == pytest.approx(2.5)
+    assert gpu["busy_share"] == pytest.approx(0.5)
+    assert [k["name"] for k in gpu["top"]] == ["ampere_sgemm", "triton_poi_fused_add_0"]
+    assert gpu["top"][0]["calls_per_step"] == 20 and gpu["top"][0]["us_per_call"] == pytest.approx(100)
+    assert gpu["top"][1]["ms_per_step"] == pytest.approx(0.5)
+
+
 def run_profile_step(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     return run_script(tmp_path, "model=inkling-debug", "prompt_set=random", *overrides, script="profile_step.py")
 
@@ -194,6 +207,7 @@ def test_profile_step_script_splits_decode_steps(tmp_path):
     assert ops["outside_by_op"]["aten._foreach_copy_"] <= 4  # verify and round: long, bool
     assert ops["outside_by_op"]["aten.copy_"] <= 2  # the tensors staged: drafts, hidden
     assert "aten ops per decode step over 3 steps" in out.stdout
+    assert result["gpu"] is None and "GPU kernels" not in out.stdout  # on the CPU: no kernels to count
 
 
 def test_profile_step_script_rejects_a_bad_option(tmp_path):

@@ -426,23 +426,30 @@ def test_second_compiled_engine_on_one_model_drafts_exactly(model, compiled):
         assert reference.argmax(-1).tolist() == drafts
 
 
-def test_compiled_step_functions_stay_static_as_shapes_change():
+@pytest.mark.parametrize("graphs", [False, True], ids=["compiled", "compiled-graphs"])
+def test_compiled_step_functions_stay_static_as_shapes_change(monkeypatch, graphs):
     """A compiled step function specializes every new input shape (a bucket, a k) in a graph of
     its own and keeps only block-table widths dynamic. Dynamo's default would make a changed
     dimension symbolic from its second value on: graphs that compile for minutes on the CPU
-    and run slower (auto k switching between k's did this to the verify width)."""
+    and run slower (auto k switching between k's did this to the verify width). With CUDA
+    graphs as well (simulated), each table width is a capture of its own but not a compile."""
     torch._dynamo.reset()
     counters.clear()
+    replays = simulate_cuda_graphs(monkeypatch) if graphs else None
 
     def step(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         return x.sum(-1) + table.sum(-1)  # [B]
 
-    fn = StepFunction(step, "test-step", compile=True, tables_from=1)
+    fn = StepFunction(step, "test-step", compile=True, cuda_graphs=graphs, tables_from=1)
     for width in (3, 5, 7, 9):  # like the verify width 1 + k
+        x = torch.ones(2, width)
         for blocks in (4, 8, 16):
-            out = fn(torch.ones(2, width), torch.ones(2, blocks, dtype=torch.long))
-            assert out.tolist() == [width + blocks] * 2
+            table = torch.ones(2, blocks, dtype=torch.long)  # a persistent buffer per width
+            for _ in range(2):  # graphs: captured, then replayed
+                assert fn(x, table).tolist() == [width + blocks] * 2
     assert counters["stats"]["unique_graphs"] == 4  # one per width; the table widths share it
+    if replays is not None:
+        assert replays[0] == 12 and len(fn._graphs) == 12
 
 
 def test_compiled_steps_keep_simd_but_compile_without_cpu_outer_loop_fusion():

@@ -5,6 +5,8 @@ e.g. ``spec.num_tokens=8 engine.compile=true``) and warmed up
 (:meth:`Engine.warmup`: compiles with ``engine.compile=true``). A batch of prompts is prefilled
 unprofiled; then ``steps`` decode steps run under ``torch.profiler``. With compile on, inductor's
 generated CPU kernels appear by name (``torch._inductor.config.cpp.enable_kernel_profile``).
+On CUDA the GPU's kernels are recorded too (:func:`gpu_kernels`: per step, how many ran, CUDA
+graphs' included, their milliseconds and the share of the wall time the GPU was busy).
 
 Reported per decode step (:func:`step_parts`): wall time, split by the self time of what ran
 into matmuls, attention, inductor's fused kernels, compiled-graph glue, dynamo's guard checks,
@@ -61,6 +63,24 @@ def step_parts(events: Iterable[tuple[str, int, float]], wall_s: float, steps: i
     return ms
 
 
+def gpu_kernels(kernels: Iterable[tuple[str, int, float]], wall_s: float, steps: int, top: int) -> dict[str, Any]:
+    """Per step, of the GPU kernels that ran (``kernels``: (name, calls, device seconds) summed
+    over ``steps`` profiled steps of ``wall_s`` seconds), CUDA graphs' included: how many, their
+    milliseconds, the share of the wall time the GPU was busy, and the ``top`` costliest."""
+    kernels = sorted(kernels, key=lambda k: -k[2])
+    busy_ms = 1e3 * sum(s for _, _, s in kernels) / steps
+    return {
+        "kernels_per_step": sum(c for _, c, _ in kernels) / steps,
+        "kernel_ms_per_step": busy_ms,
+        "busy_share": busy_ms / (1e3 * wall_s / steps) if wall_s > 0 else 0.0,
+        "top": [
+            {"name": n, "calls_per_step": c / steps, "us_per_call": 1e6 * s / c, "ms_per_step": 1e3 * s / steps}
+            for n, c, s in kernels[:top]
+            if c
+        ],
+    }
+
+
 def _is_decoding(request) -> bool:
     return request.num_computed >= len(request.token_ids) - 1
 
@@ -114,25 +134,33 @@ def profile_decode_steps(engine, prompts: list[list[int]], steps: int, max_new_t
         while counted < steps and any(not r.finished for r in requests):
             engine.step()
             counted += 1
-    done = 0
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    done, activities = 0, [torch.profiler.ProfilerActivity.CPU]
+    cuda = engine.device.type == "cuda"
+    if cuda:  # the kernels too, CUDA graphs' included
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
         t0 = time.perf_counter()
         while done < steps and any(not r.finished for r in requests):
             engine.step()
             done += 1
+        if cuda:
+            torch.cuda.synchronize()
         wall_s = time.perf_counter() - t0
     for r in requests:
         engine.abort(r)
     if done == 0:
         raise ConfigError("no decode step ran: raise max_new_tokens.")
-    events = [(e.key, e.count, e.self_cpu_time_total / 1e6) for e in prof.key_averages()]
+    averages = prof.key_averages()
+    on_gpu = [e for e in averages if e.device_type == torch.profiler.DeviceType.CUDA]
+    events = [(e.key, e.count, e.self_cpu_time_total / 1e6) for e in averages if e not in on_gpu]
+    kernels = [(e.key, e.count, e.self_device_time_total / 1e6) for e in on_gpu] if cuda else None
     outside = {
         "steps": counted,
         "outside_per_step": sum(ops.outside.values()) / max(1, counted),
         "inside_per_step": ops.inside / max(1, counted),
         "outside_by_op": {name: n / max(1, counted) for name, n in ops.outside.most_common()},
     }
-    return {"steps": done, "wall_s": wall_s, "events": events, "ops": outside}
+    return {"steps": done, "wall_s": wall_s, "events": events, "ops": outside, "kernels": kernels}
 
 
 def report_step_profile(cfg: Any) -> dict[str, Any]:
@@ -176,6 +204,7 @@ def report_step_profile(cfg: Any) -> dict[str, Any]:
             {"name": n, "calls_per_step": c / steps, "us_per_call": 1e6 * s / c, "ms_per_step": 1e3 * s / steps}
             for n, c, s in top
         ],
+        "gpu": None if run["kernels"] is None else gpu_kernels(run["kernels"], run["wall_s"], steps, cfg.top),
     }
     _print(result)
     if cfg.output:
@@ -219,3 +248,15 @@ def _print(result: dict[str, Any]) -> None:
         name = op["name"] if len(op["name"]) <= 72 else op["name"][:69] + "..."
         ops.add_row(name, f"{op['calls_per_step']:.1f}", f"{op['us_per_call']:.1f}", f"{op['ms_per_step']:.2f}")
     console.print(ops)
+    gpu = result["gpu"]
+    if gpu is not None:
+        kernels = Table(
+            title=f"GPU kernels: {gpu['kernels_per_step']:.0f} per step, {gpu['kernel_ms_per_step']:.2f} ms per step "
+            f"({100 * gpu['busy_share']:.0f} % of the wall time)"
+        )
+        for column in ("kernel", "calls / step", "µs / call", "ms / step"):
+            kernels.add_column(column, justify="left" if column == "kernel" else "right")
+        for k in gpu["top"]:
+            name = k["name"] if len(k["name"]) <= 72 else k["name"][:69] + "..."
+            kernels.add_row(name, f"{k['calls_per_step']:.1f}", f"{k['us_per_call']:.1f}", f"{k['ms_per_step']:.3f}")
+        console.print(kernels)

@@ -246,11 +246,12 @@ class StepFunction:
 
     def _call(self, args: tuple[torch.Tensor, ...]) -> Any:
         key = self.shape_key(args)
+        if self.compiled and key not in self._seen:  # first call of a shape: compiles (or reuses)
+            for a in args[self.tables_from :]:  # one compiled graph for every table width (context length)
+                if a.dim() == 2:
+                    torch._dynamo.mark_dynamic(a, 1)
         if not self.cuda_graphs:
-            if self.compiled and key not in self._seen:  # first call of a shape: compiles
-                for a in args[self.tables_from :]:  # one graph for every table width (context length)
-                    if a.dim() == 2:
-                        torch._dynamo.mark_dynamic(a, 1)
+            if self.compiled and key not in self._seen:
                 t = time.perf_counter()
                 out = self.fn(*args)
                 self.warmup_s += time.perf_counter() - t
@@ -260,6 +261,7 @@ class StepFunction:
         graph = self._graphs.get(key)
         if graph is None:  # first call of this shape: run once, capture for the calls after it
             self._graphs[key], out = self._capture(args)
+            self._seen.add(key)
             return out
         graph[0].replay()
         return graph[2]
