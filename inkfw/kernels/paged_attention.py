@@ -140,8 +140,7 @@ def _span_attention_split_kernel(
     table_ptr,
     base_ptr,
     qpos_ptr,
-    r_ptr,
-    rel_ptr,
+    bias_ptr,
     tau_ptr,
     out_ptr,
     part_max_ptr,
@@ -173,12 +172,9 @@ def _span_attention_split_kernel(
     stride_tw,
     stride_pb,
     stride_pt,
-    stride_rb,
-    stride_rt,
-    stride_rh,
-    stride_rj,
-    stride_e0,
-    stride_e1,
+    stride_fb,
+    stride_ft,
+    stride_fh,
     stride_taub,
     stride_taut,
     stride_ob,
@@ -188,7 +184,6 @@ def _span_attention_split_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    D_REL: tl.constexpr,
     HAS_TAU: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DIRECT: tl.constexpr,
@@ -212,14 +207,15 @@ def _span_attention_split_kernel(
     q_rows = q_ptr + b * stride_qb + t * stride_qt + head * stride_qh  # [M]
     q = tl.load(q_rows[:, None] + d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     q = q.to(tl.float32)  # [M, D]
-    q_pos = tl.load(qpos_ptr + b * stride_pb + t * stride_pt, mask=row_ok, other=0)  # [M]
+    # positions, distances and bias columns in int32: [M, N] int64 tiles spill registers
+    q_pos = tl.load(qpos_ptr + b * stride_pb + t * stride_pt, mask=row_ok, other=0).to(tl.int32)  # [M]
     if HAS_TAU:
         tau = tl.load(tau_ptr + b * stride_taub + t * stride_taut, mask=row_ok, other=1.0).to(tl.float32)
         q = q * tau[:, None]
     q = q.to(k_ptr.dtype.element_ty)  # bf16/fp16 pools: tensor-core dot, fp32 accumulation
-    r_rows = r_ptr + b * stride_rb + t * stride_rt + head * stride_rh  # [M]
+    bias_rows = bias_ptr + b * stride_fb + t * stride_ft + head * stride_fh  # [M]: (r @ rel_table) rows
 
-    first_block = tl.load(base_ptr + b)  # logical block of table column 0
+    first_block = tl.load(base_ptr + b).to(tl.int32)  # logical block of table column 0
     start = split * keys_per_split
     end = tl.minimum(start + keys_per_split, num_keys)
 
@@ -236,7 +232,7 @@ def _span_attention_split_kernel(
         slot = phys * BLOCK_SIZE + offset
         has_block = n_ok & (phys >= 0)
         tag = tl.load(slot_pos_ptr + slot, mask=has_block, other=-1)
-        readable = has_block & (tag == k_pos)  # [N]
+        readable = has_block & (tag == k_pos.to(tl.int64))  # [N]
 
         dist = q_pos[:, None] - k_pos[None, :]  # [M, N]
         visible = readable[None, :] & row_ok[:, None] & (dist >= 0)
@@ -249,15 +245,11 @@ def _span_attention_split_kernel(
         )
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [M, N] fp32
 
-        # relative bias: only tiles with a visible key inside the table's extent pay for it
+        # relative bias: one gather from each query row's profile; only tiles with a visible key
+        # inside the table's extent pay for it
         in_table = visible & (dist < extent)
         if tl.max(tl.max(in_table.to(tl.int32), axis=1), axis=0) != 0:
-            bias = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            bias_column = tl.where(in_table, dist, 0)
-            for j in range(D_REL):
-                r_j = tl.load(r_rows + j * stride_rj, mask=row_ok, other=0.0).to(tl.float32)  # [M]
-                table_j = tl.load(rel_ptr + j * stride_e0 + bias_column * stride_e1, mask=in_table, other=0.0)
-                bias += r_j[:, None] * table_j.to(tl.float32)
+            bias = tl.load(bias_rows[:, None] + tl.where(in_table, dist, 0), mask=in_table, other=0.0)
             if HAS_TAU:
                 bias = bias * tau[:, None]
             scores += bias
@@ -328,11 +320,16 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
+MAX_TILE = 2048  # BLOCK_M x BLOCK_N elements per program: larger [M, N] tiles spill registers
+NUM_WARPS = 4  # per split program
+
+
 def _tile_sizes(T: int, group: int, D: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_D): powers of two >= 16 (tl.dot's smallest tile)."""
+    """(BLOCK_M, BLOCK_N, BLOCK_D): powers of two >= 16 (tl.dot's smallest tile), with the score
+    tile at most :data:`MAX_TILE` elements."""
     block_m = max(16, min(64, triton.next_power_of_2(T * group)))
     block_d = max(16, triton.next_power_of_2(D))
-    block_n = 64 if block_d <= 128 else 32
+    block_n = max(16, min(64 if block_d <= 128 else 32, MAX_TILE // block_m))
     return block_m, block_n, block_d
 
 
@@ -367,7 +364,7 @@ def paged_span_attention_triton(
     if num_splits is not None and num_splits < 1:
         raise ConfigError(f"paged_span_attention: num_splits must be >= 1 or None, got {num_splits}.")
     B, T, Hq, D = q.shape
-    Hkv, W, E, d_rel = k_pool.shape[1], table.shape[1], rel_table.shape[1], r.shape[3]
+    Hkv, W, E = k_pool.shape[1], table.shape[1], rel_table.shape[1]
     group = Hq // Hkv
     num_keys = W * block_size
     block_m, block_n, block_d = _tile_sizes(T, group, D)
@@ -383,6 +380,7 @@ def paged_span_attention_triton(
         part_max = torch.empty(B, T, Hq, splits, dtype=torch.float32, device=q.device)
         part_sum = torch.empty_like(part_max)
         part_acc = torch.empty(B, T, Hq, splits, D, dtype=torch.float32, device=q.device)
+    profile = torch.matmul(r.float(), rel_table.float())  # [B, T, Hq, E]: bias at each distance < E
     tau_arg = tau if tau is not None else q_positions  # unused without tau
     tau_strides = tau.stride() if tau is not None else (0, 0)
 
@@ -395,8 +393,7 @@ def paged_span_attention_triton(
         table,
         base,
         q_positions,
-        r,
-        rel_table,
+        profile,
         tau_arg,
         out,
         part_max,
@@ -419,19 +416,18 @@ def paged_span_attention_triton(
         *v_pool.stride(),
         *table.stride(),
         *q_positions.stride(),
-        *r.stride(),
-        *rel_table.stride(),
+        *profile.stride()[:3],
         *tau_strides,
         *out.stride()[:3],
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
-        D_REL=d_rel,
         HAS_TAU=tau is not None,
         HAS_WINDOW=window is not None,
         DIRECT=splits == 1,
         PRECISION="ieee" if k_pool.dtype == torch.float32 else "tf32",
+        num_warps=NUM_WARPS,
     )
     if splits > 1:
         combine_kernel: Any = _combine_splits_kernel
