@@ -478,6 +478,7 @@ class Rounds:
     hf: HfBaseline | None
     check: ExactnessCheck | None  # None: sampling, outputs not compared
     on_decode: Callable[[], None] = lambda: None  # after each measured decode (the progress bar)
+    started: float = field(default_factory=time.perf_counter)  # the bench's start (progress lines' "at")
     hf_timings: dict[tuple[str, str], HfTiming] = field(default_factory=dict)
     hf_vs_inkfw: dict[str, dict[str, int]] = field(default_factory=dict)  # info: HF vs inkfw at batch 1
     # per (prompt set, run name): (repeat, tokens, wall seconds) of each measured decode, in order
@@ -522,7 +523,7 @@ class Rounds:
             tokens, wall = self.repeat_totals(set_name, run.name)[rep]
             self.console.print(
                 f"  repeat {rep + 1}/{repeats} {set_name} {run.name}: {wall:.2f}s, "
-                f"{tokens / wall if wall else 0.0:.1f} tokens/s",
+                f"{tokens / wall if wall else 0.0:.1f} tokens/s{elapsed_since(self.started)}",
                 markup=False,
                 highlight=False,
             )
@@ -551,6 +552,12 @@ class Rounds:
 
 
 # ------------------------------------------------------------------------ the run
+def elapsed_since(started: float) -> str:
+    """`` (at N s)``: the seconds since ``started`` (the bench's start), ending each progress line, so
+    a run that ran out of time shows where its time went."""
+    return f" (at {time.perf_counter() - started:.0f} s)"
+
+
 def hf_load_kwargs(cfg: Any) -> dict[str, Any]:
     """``hf_load``: keyword arguments of the HF baselines' ``from_pretrained`` (a mapping; null
     values are left to HF)."""
@@ -566,6 +573,7 @@ def hf_load_kwargs(cfg: Any) -> dict[str, Any]:
 def run_bench(cfg: Any) -> dict[str, Any]:
     """Run the benchmark of ``cfg`` (``inkfw/conf/bench.yaml``); returns what ``bench.json`` holds.
     ``report["exactness"]["ok"]`` is False when greedy outputs differed (the script exits 1)."""
+    started = time.perf_counter()
     console = Console()
     if not console.is_terminal:  # piped or logged: keep the table on one line per row
         console = Console(width=220)
@@ -623,7 +631,7 @@ def run_bench(cfg: Any) -> dict[str, Any]:
         kernel_opts,
         opts.forward_repeats,
         block_size,
-        progress=lambda line: console.print(line, markup=False, highlight=False),
+        progress=lambda line: console.print(line + elapsed_since(started), markup=False, highlight=False),
     )
     hf = (
         HfBaseline(
@@ -647,7 +655,9 @@ def run_bench(cfg: Any) -> dict[str, Any]:
                 for prompts in prompt_sets.values() if opts.warmup_tokens else []:
                     warm = batch_requests(prompts[: run.batch_size], run.batch_size)
                     _generate(case.engine, warm, opts.warmup_tokens, run.name)
-                progress.console.print(f"  warm-up {run.name}: {case.warmup_s:.1f}s", markup=False, highlight=False)
+                progress.console.print(
+                    f"  warm-up {run.name}: {case.warmup_s:.1f}s{elapsed_since(started)}", markup=False, highlight=False
+                )
             elif run.system == "hf" and opts.warmup_tokens:
                 assert hf is not None
                 for prompts in prompt_sets.values():
@@ -656,7 +666,14 @@ def run_bench(cfg: Any) -> dict[str, Any]:
 
         decodes = opts.repeats * len(runs) * sum(map(len, batches.values()))
         decoding = progress.add_task("measured decodes (every run, each slice in turn)", total=decodes)
-        rounds = Rounds(console, cases, hf, ExactnessCheck() if greedy else None, lambda: progress.advance(decoding))
+        rounds = Rounds(
+            console,
+            cases,
+            hf,
+            ExactnessCheck() if greedy else None,
+            lambda: progress.advance(decoding),
+            started=started,
+        )
         for rep in range(opts.repeats):
             order = round_order(runs, rep)
             for set_name in prompt_sets:
@@ -720,6 +737,7 @@ def run_bench(cfg: Any) -> dict[str, Any]:
         console.print(f"greedy exactness: {check.compared} runs equal their group's reference token for token")
     for m in check.mismatches if check is not None else []:
         console.print(f"[red]greedy outputs differ: {m.line()}[/red]")
+    console.print(f"bench done{elapsed_since(started)}", markup=False, highlight=False)
     if cfg.output_dir:
         _write_outputs(console, cfg, Path(str(cfg.output_dir)), report, cases)
     return report

@@ -193,7 +193,7 @@ def report_step_profile(cfg: Any) -> dict[str, Any]:
     parts = step_parts(events, run["wall_s"], steps)
     top = sorted(events, key=lambda e: -e[2])[: cfg.top]
     result = {
-        "engine": _engine_summary(cfg),
+        "engine": _engine_summary(cfg, engine.cuda_graphs),
         "batch_size": cfg.batch_size,
         "threads": torch.get_num_threads(),
         "steps": steps,
@@ -212,12 +212,13 @@ def report_step_profile(cfg: Any) -> dict[str, Any]:
     return result
 
 
-def _engine_summary(cfg: Any) -> str:
+def _engine_summary(cfg: Any, cuda_graphs: bool) -> str:
     from inkfw.speculative.factory import drafter_kind
 
     kind = drafter_kind(cfg.drafter)
     k = cfg.spec.num_tokens if kind != "none" else None
-    return f"{kind}{'' if k is None else f' k={k}'}, {'compiled' if cfg.engine.compile else 'eager'}"
+    mode = ("compiled" if cfg.engine.compile else "eager") + (", CUDA graphs" if cuda_graphs else "")
+    return f"{kind}{'' if k is None else f' k={k}'}, {mode}"
 
 
 def _print(result: dict[str, Any]) -> None:

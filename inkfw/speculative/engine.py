@@ -206,6 +206,7 @@ class Engine:
             drafter.reserve(slots)  # type: ignore[attr-defined]
         cuda = self.device.type == "cuda"
         graphs = self.config.cuda_graphs if self.config.cuda_graphs is not None else cuda
+        self.cuda_graphs = graphs  # the step functions replay CUDA graphs
         if graphs and not cuda:
             raise ConfigError("engine.cuda_graphs=true needs the model on a CUDA device.")
         for part in (verifier, drafter):

@@ -379,14 +379,11 @@ class MoE(nn.Module):
         """SwiGLU of every expert of a stack on every token: gate_up [X, 2I, H], down [X, H, I],
         x [..., H] -> [..., X, 1, H]."""
         # one matmul over the stacked rows: each output equals the expert's own F.linear
-        X = gate_up.shape[0]
-        h = F.linear(x, gate_up.flatten(0, 1)).unflatten(-1, (X, -1))  # [..., X, 2I]
-        gate, up = h.chunk(2, dim=-1)  # [..., X, I] each
-        act = (F.silu(gate) * up).reshape(-1, X, gate.shape[-1]).transpose(0, 1)  # [X, N, I]
-        # one matmul per expert over all N tokens, its weights read in place; broadcasting
-        # [..., X, 1, I] @ [X, I, H] would copy the weights N times first (a batch of N * X gemvs)
-        y = torch.bmm(act, down.mT)  # [X, N, H]
-        return y.transpose(0, 1).reshape(*x.shape[:-1], X, 1, down.shape[1])  # [..., X, 1, H]
+        h = F.linear(x, gate_up.flatten(0, 1)).unflatten(-1, (gate_up.shape[0], 1, -1))  # [..., X, 1, 2I]
+        gate, up = h.chunk(2, dim=-1)  # [..., X, 1, I] each
+        # one matmul per expert over all the tokens (a batch of X), its weights read in place;
+        # broadcasting [..., X, 1, I] @ [X, I, H] would copy the weights once per token first
+        return torch.einsum("...xoi,xhi->...xoh", F.silu(gate) * up, down)  # [..., X, 1, H]
 
     @staticmethod
     def _weighted_sum(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
