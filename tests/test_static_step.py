@@ -653,6 +653,48 @@ def test_replayed_steps_overwrite_their_outputs_and_decode_exactly(model, monkey
     assert replays[0] >= 10
 
 
+def test_prompt_chunks_replay_as_graphs_padded_to_width_buckets(model, monkeypatch):
+    """With CUDA graphs (simulated), prompt chunks run as step functions too, the target's and
+    the drafter's, padded to a batch bucket and a power-of-two width >= 16 (an eager prompt pass
+    costs a launch per op on a GPU); decoding stays exact, with the same drafts as eager."""
+    prompts = [*prompts_of(8, 1, lo=40, hi=40), *prompts_of(7, 2, lo=5, hi=9)]  # 40 tokens: chunks of 32 and 7
+
+    def run(graphs: bool) -> tuple[list[Request], Engine]:
+        engine, kv = make_engine(model, mtp(2, 3), check_drafts=False, max_num_seqs=3, max_num_batched_tokens=32)
+        for part in parts(engine) if graphs else ():
+            part.set_step_mode(cuda_graphs=True)
+        reqs = engine.generate([engine.add_request(p, max_new_tokens=12) for p in prompts])
+        assert kv.is_whole()
+        return reqs, engine
+
+    eager, _ = run(graphs=False)
+    simulate_cuda_graphs(monkeypatch)
+    replayed, engine = run(graphs=True)
+    assert outputs(replayed) == outputs(eager)
+    assert [r.num_accepted_tokens for r in replayed] == [r.num_accepted_tokens for r in eager]
+    verifier, drafter = parts(engine)
+    prefill_shapes = {key[0][0] for f in verifier._steps.values() if f.name == "prefill" for key in f._graphs}
+    assert prefill_shapes and all(w in (16, 32) and rows in (1, 2, 4) for rows, w in prefill_shapes)
+    assert (1, 32) in prefill_shapes  # the long prompt's first chunk, alone: 32 tokens
+    ext_widths = {key[7][0][1] for f in drafter._steps.values() for key in f._graphs}  # ext [B, T + max(K, P)]
+    assert {16 + 3, 32 + 3} <= ext_widths and 3 + 1 + 3 in ext_widths  # prompt rounds and decode rounds
+
+
+def test_profiling_a_compiled_engine_counts_the_ops_beside_its_steps(compiled):
+    """scripts/profile_step.py with engine.compile=true: the op count's dispatch mode stays out of
+    the compiled steps (dynamo refuses to trace under one), which then go uncounted."""
+    from inkfw.bench.step_profile import profile_decode_steps
+
+    engine = compiled[0]
+    eos = engine.eos_ids
+    try:
+        run = profile_decode_steps(engine, [COMPILE_PROMPTS[0]], steps=2, max_new_tokens=8)
+    finally:
+        engine.eos_ids = eos
+    assert run["steps"] == 2 and run["ops"]["steps"] == 2
+    assert run["ops"]["outside_per_step"] > 0 and run["ops"]["inside_per_step"] is None
+
+
 def test_compiled_decode_reads_once_per_step(compiled):
     """Compiled, the many-expert MoE stays static: one host read per decode step."""
     _, _, steps, reads, _ = compiled

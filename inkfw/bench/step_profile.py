@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from rich.console import Console
 from rich.table import Table
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from inkfw.errors import ConfigError
 from inkfw.speculative.step import StepFunction
@@ -88,13 +88,14 @@ def _is_decoding(request) -> bool:
 class OpsOutsideSteps(TorchDispatchMode):
     """Counts the aten ops issued outside the step functions (:class:`StepFunction`): on a GPU
     they run eagerly, beside the CUDA graphs (staging, slicing, bookkeeping), each a launch and
-    its dispatch; and those issued inside them. While counting, step-function calls are marked
-    (nothing is added to them otherwise)."""
+    its dispatch; and those issued inside them, except in compiled steps (``inside`` None): dynamo
+    cannot trace under a dispatch mode, so they run outside this one. While counting,
+    step-function calls are marked (nothing is added to them otherwise)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.outside: Counter[str] = Counter()
-        self.inside = 0
+        self.inside: int | None = 0
         self._running = 0  # step-function calls in progress
 
     def __enter__(self):
@@ -103,6 +104,10 @@ class OpsOutsideSteps(TorchDispatchMode):
         def marked(step: StepFunction, *args: torch.Tensor) -> Any:
             self._running += 1
             try:
+                if step.compiled:  # its ops uncounted: dynamo refuses to trace under a dispatch mode
+                    self.inside = None
+                    with _disable_current_modes():
+                        return call(step, *args)
                 return call(step, *args)
             finally:
                 self._running -= 1
@@ -116,7 +121,8 @@ class OpsOutsideSteps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self._running:
-            self.inside += 1
+            if self.inside is not None:
+                self.inside += 1
         else:
             self.outside[str(func.overloadpacket)] += 1
         return func(*args, **(kwargs or {}))
@@ -157,7 +163,7 @@ def profile_decode_steps(engine, prompts: list[list[int]], steps: int, max_new_t
     outside = {
         "steps": counted,
         "outside_per_step": sum(ops.outside.values()) / max(1, counted),
-        "inside_per_step": ops.inside / max(1, counted),
+        "inside_per_step": None if ops.inside is None else ops.inside / max(1, counted),
         "outside_by_op": {name: n / max(1, counted) for name, n in ops.outside.most_common()},
     }
     return {"steps": done, "wall_s": wall_s, "events": events, "ops": outside, "kernels": kernels}
@@ -236,9 +242,10 @@ def _print(result: dict[str, Any]) -> None:
     console.print(parts)
     counts = result["aten_ops"]
     top = ", ".join(f"{name} {n:.1f}" for name, n in list(counts["outside_by_op"].items())[:6])
+    inside = "uncounted (compiled)" if counts["inside_per_step"] is None else f"{counts['inside_per_step']:.1f}"
     console.print(
         f"aten ops per decode step over {counts['steps']} steps: {counts['outside_per_step']:.1f} outside the step "
-        f"functions (eager beside CUDA graphs: {top}), {counts['inside_per_step']:.1f} inside them",
+        f"functions (eager beside CUDA graphs: {top}), {inside} inside them",
         markup=False,
         highlight=False,
     )

@@ -545,15 +545,21 @@ class Engine:
                     r.lag.append((s.hidden[: s.new_positions].clone(), s.new_positions))  # graph outputs get reused
             spans = [s for s in spans if s.num_accepted is None and not cast(Request, s.request).drafting_off]
         self.k_chosen[k] += 1
-        # decode spans run one static round (compiled / graph-captured); prompt chunks and lags, of
-        # any length, another (eager), so a request being admitted never sends the others' round eager
+        # decode spans run one static round (compiled / graph-captured); prompt chunks another,
+        # captured with CUDA graphs (padded to a width bucket) and eager otherwise; lags, of any
+        # length, an eager one; so a request being admitted never sends the others' round eager
         static: list[DraftSpan] = []
+        prompts: list[DraftSpan] = []
         dynamic: list[DraftSpan] = []
         for s in spans:
-            is_static = s.num_accepted is not None and cast(Request, s.request).lag_start is None
-            (static if is_static else dynamic).append(s)
+            lagging = cast(Request, s.request).lag_start is not None
+            (dynamic if lagging else static if s.num_accepted is not None else prompts).append(s)
         if static:
             self._propose_into_slots(static, k, bucket_for(len(static), self.config.batch_buckets))
+        if prompts and getattr(self.drafter, "cuda_graphs", False):
+            self._propose_into_slots(prompts, k, bucket_for(len(prompts), self.config.batch_buckets))
+        elif prompts:
+            dynamic = prompts + dynamic
         if dynamic:
             self._propose_into_slots([_with_lag(s) for s in dynamic], k, None)
 
@@ -698,22 +704,14 @@ class Engine:
         self.waiting.appendleft(r)
 
     # ------------------------------------------------------------------ forwards
-    @torch.no_grad()
     def _prefill(self, chunks: list[tuple[Request, int, int]]) -> list[torch.Tensor]:
-        """Target over each chunk [c0, c1); returns hidden states [c1 - c0, H] per chunk."""
-        T = max(c1 - c0 for _, c0, c1 in chunks)
-        ids = torch.zeros(len(chunks), T, dtype=torch.long)
-        positions = torch.zeros(len(chunks), T, dtype=torch.long)
-        valid = torch.zeros(len(chunks), T, dtype=torch.bool)
-        for b, (r, c0, c1) in enumerate(chunks):
-            ids[b, : c1 - c0] = torch.tensor(r.token_ids[c0:c1])
-            positions[b] = torch.arange(c0, c0 + T).clamp(max=c1 - 1)
-            valid[b, : c1 - c0] = True
-        ids, positions, valid = ids.to(self.device), positions.to(self.device), valid.to(self.device)
-        rids, first, end = [r.id for r, _, _ in chunks], [c0 for _, c0, _ in chunks], [c1 for _, _, c1 in chunks]
-        tables = self.kv.step_tables(self.kv.group_indices(), rids, first, end)
-        hidden = self._run_target(self.model, ids, positions, self.kv.caches_from(tables, positions, valid))
-        return [hidden[b, : c1 - c0] for b, (_, c0, c1) in enumerate(chunks)]  # [B, T, H] -> [c1 - c0, H] each
+        """Target over each chunk [c0, c1); returns hidden states [c1 - c0, H] per chunk. With
+        CUDA graphs the chunks run as one captured step, padded to a batch bucket and a width
+        bucket; otherwise eagerly (compiling every chunk shape would take minutes on a CPU)."""
+        static = getattr(self.verifier, "cuda_graphs", False)
+        pad_to = bucket_for(len(chunks), self.config.batch_buckets) if static else None
+        work = [(r.id, r.token_ids[c0:c1], c0) for r, c0, c1 in chunks]
+        return self.verifier.prefill(self.kv, work, self._run_target, pad_to=pad_to)
 
     def _batch_drafts(self, decodes: list[Request]) -> Drafts:
         """The pending drafts of ``decodes`` from their slots: tokens [B, k] (k: the width they

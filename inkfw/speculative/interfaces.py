@@ -268,3 +268,11 @@ class Verifier(Protocol):
         run: ForwardRunner,
         pad_to: int | None = None,
     ) -> Verdict: ...  # pad_to: rows of a static batch bucket (padding rows write only scratch slots)
+
+    def prefill(
+        self,
+        kv: KVManager,
+        chunks: Sequence[tuple[Hashable, Sequence[int], int]],
+        run: ForwardRunner,
+        pad_to: int | None = None,
+    ) -> list[torch.Tensor]: ...  # (request id, tokens, first position) -> hidden [len(tokens), H] each

@@ -110,6 +110,13 @@ def _compile_step_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> 
 
 
 MIN_TABLE_WIDTH = 4  # blocks: short contexts share one shape
+MIN_PREFILL_WIDTH = 16  # tokens: short prompt chunks share one shape
+
+
+def prefill_width(tokens: int) -> int:
+    """Width of a static prompt-chunk batch whose longest chunk has ``tokens`` tokens: the next
+    power of two, at least :data:`MIN_PREFILL_WIDTH`."""
+    return max(MIN_PREFILL_WIDTH, 1 << max(0, tokens - 1).bit_length())
 
 
 def table_width(blocks: int) -> int:
@@ -300,6 +307,11 @@ class StepModes:
     @property
     def _steps(self) -> dict[Hashable, StepFunction]:
         return self.__dict__.setdefault("_step_functions", {})
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether the step functions replay CUDA graphs."""
+        return self._cuda_graphs
 
     def set_step_mode(self, compile: bool = False, cuda_graphs: bool = False) -> None:
         """Run the step functions compiled (``torch.compile``) and/or as CUDA graphs."""

@@ -9,7 +9,7 @@ targets, so they still accept exactly the argmax prefix).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,7 @@ from inkfw.speculative.interfaces import (
 )
 from inkfw.speculative.observers import run_directly
 from inkfw.speculative.sampling import Sampler
-from inkfw.speculative.step import StepBuffers, StepFunction, StepModes, table_width
+from inkfw.speculative.step import StepBuffers, StepFunction, StepModes, prefill_width, table_width
 
 
 class TargetVerifier(StepModes):
@@ -85,6 +85,62 @@ class TargetVerifier(StepModes):
         if not all(r.sampling.greedy for r in requests) or type(self).accept is not TargetVerifier.accept:
             num_accepted, next_tokens = self.accept(logits[:B], requests, drafts)  # sampled (or a subclass's rule)
         return Verdict(num_accepted[:B], next_tokens[:B], hidden[:B])
+
+    @torch.no_grad()
+    def prefill(
+        self,
+        kv: KVManager,
+        chunks: Sequence[tuple[Hashable, Sequence[int], int]],
+        run: ForwardRunner = run_directly,
+        pad_to: int | None = None,
+    ) -> list[torch.Tensor]:
+        """The target over prompt chunks ``(request id, tokens, first position)``: each chunk's
+        hidden states [len(tokens), H], which the chunk's drafting round reads next. With
+        ``pad_to`` (CUDA graphs) the batch is padded to ``pad_to`` rows and to the chunks' width
+        bucket (:func:`prefill_width`) and runs as a step function: one captured graph per shape,
+        where an eager prompt pass costs a launch per op (docs/design.md §5). Padding positions
+        write only scratch slots."""
+        B, T = len(chunks), max(len(tokens) for _, tokens, _ in chunks)
+        static = pad_to is not None
+        W = prefill_width(T) if static else T
+        rows = max(B, pad_to or 0)
+        rids = [rid for rid, _, _ in chunks] + [None] * (rows - B)
+        first = [c0 for _, _, c0 in chunks] + [0] * (rows - B)
+        end = [c0 + len(tokens) for _, tokens, c0 in chunks] + [0] * (rows - B)
+        lengths = [len(tokens) for _, tokens, _ in chunks] + [0] * (rows - B)
+        ids = [list(tokens) + [0] * (W - len(tokens)) for _, tokens, _ in chunks] + [[0] * W] * (rows - B)
+        # padding positions repeat the chunk's last one (invalid: written to the scratch slot)
+        positions = [[c0 + min(i, max(0, n - 1)) for i in range(W)] for c0, n in zip(first, lengths)]
+        valid = [[i < n for i in range(W)] for n in lengths]
+        if not static:
+            tables = kv.step_tables(kv.group_indices(), rids, first, end)
+            pos = torch.tensor(positions, device=self.device)
+            hidden = run(
+                self.model,
+                torch.tensor(ids, device=self.device),
+                pos,
+                kv.caches_from(tables, pos, torch.tensor(valid, device=self.device)),
+            )
+        else:
+            stage = self.buffers.stage
+            tables = kv.step_tables(kv.group_indices(), rids, first, end, width=table_width, stage=stage)
+            args = [
+                stage("prefill_ids", ids),
+                stage("prefill_positions", positions),
+                stage("prefill_valid", valid, torch.bool),
+            ]
+            for table, base in tables.values():
+                args += [table, base]
+            self.buffers.flush()
+            hidden = run(self._prefill_function(kv, len(tables)), *args)
+        return [hidden[b, :n] for b, n in enumerate(lengths[:B])]  # [rows, W, H] -> [n, H] each
+
+    def _prefill_function(self, kv: KVManager, num_groups: int) -> StepFunction:
+        def prefill_step(ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, *tables: torch.Tensor):
+            views = {gi: (tables[2 * i], tables[2 * i + 1]) for i, gi in enumerate(kv.group_indices())}
+            return self.model(ids, positions, kv.caches_from(views, positions, valid))  # [B, W, H]
+
+        return self._step_function(("prefill", num_groups), prefill_step, "prefill", tables_from=3)
 
     def _function(self, kv: KVManager, num_groups: int) -> StepFunction:
         def verify_step(*args: torch.Tensor):

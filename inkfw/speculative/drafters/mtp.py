@@ -32,7 +32,7 @@ from inkfw.speculative.draft_view import DraftView
 from inkfw.speculative.interfaces import Drafts, DraftSpan, ForwardRunner, KVManager, TargetModel, TokenSampler
 from inkfw.speculative.observers import run_directly
 from inkfw.speculative.sampling import Sampler
-from inkfw.speculative.step import StepBuffers, StepFunction, StepModes, table_width
+from inkfw.speculative.step import StepBuffers, StepFunction, StepModes, prefill_width, table_width
 
 DEFER_LIMIT = 256  # positions a request's deeper depths may fall behind in shallow rounds
 
@@ -200,8 +200,16 @@ class MtpDrafter(StepModes):
             draft_at.append(len(span.request.token_ids) - start - 1)  # ext index of d_1 = x[L]
             rids.append(rid)
         # static batches pad spans and hidden rows to k + 1 >= any span after a verify step (docs/design.md
-        # §2): one shape per (bucket, K), whatever k the verify before ran at (adaptive k)
-        static_width = 0 if pad_to is None else self.num_tokens + 1
+        # §2): one shape per (bucket, K), whatever k the verify before ran at (adaptive k); prompt
+        # chunks (CUDA graphs only) to their width bucket
+        longest_span = max(lengths)
+        static_width = (
+            0
+            if pad_to is None
+            else self.num_tokens + 1
+            if longest_span <= self.num_tokens + 1
+            else prefill_width(longest_span)
+        )
         T = max(*lengths, static_width)
         Th = max(static_width, *(len(h) for h in hiddens))
         E = T + max(K, P)  # ext width: depth s reads ext[:, s : s + T], drafts land up to T + K
