@@ -1,5 +1,5 @@
-"""Paged span attention for Inkling: spans of T <= 32 queries per request (verify spans, draft spans,
-decode) attend to keys and values read in place from a cache group's paged pools.
+"""Paged span attention for Inkling: spans of T queries per request (verify spans, draft spans,
+decode, prompt chunks) attend to keys and values read in place from a cache group's paged pools.
 
 Inputs, for B rows of T queries with Hq query heads of size D and Hkv kv heads (GQA: query head
 ``h`` reads kv head ``h // (Hq // Hkv)``):
