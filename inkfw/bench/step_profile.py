@@ -63,6 +63,16 @@ def step_parts(events: Iterable[tuple[str, int, float]], wall_s: float, steps: i
     return ms
 
 
+def per_step_rows(entries: Iterable[tuple[str, int, float]], steps: int) -> list[dict[str, Any]]:
+    """Rows of (name, calls, seconds) summed over ``steps`` steps, per step: calls, us per call
+    and ms (entries never called are left out)."""
+    return [
+        {"name": n, "calls_per_step": c / steps, "us_per_call": 1e6 * s / c, "ms_per_step": 1e3 * s / steps}
+        for n, c, s in entries
+        if c
+    ]
+
+
 def gpu_kernels(kernels: Iterable[tuple[str, int, float]], wall_s: float, steps: int, top: int) -> dict[str, Any]:
     """Per step, of the GPU kernels that ran (``kernels``: (name, calls, device seconds) summed
     over ``steps`` profiled steps of ``wall_s`` seconds), CUDA graphs' included: how many, their
@@ -73,11 +83,7 @@ def gpu_kernels(kernels: Iterable[tuple[str, int, float]], wall_s: float, steps:
         "kernels_per_step": sum(c for _, c, _ in kernels) / steps,
         "kernel_ms_per_step": busy_ms,
         "busy_share": busy_ms / (1e3 * wall_s / steps) if wall_s > 0 else 0.0,
-        "top": [
-            {"name": n, "calls_per_step": c / steps, "us_per_call": 1e6 * s / c, "ms_per_step": 1e3 * s / steps}
-            for n, c, s in kernels[:top]
-            if c
-        ],
+        "top": per_step_rows(kernels[:top], steps),
     }
 
 
@@ -206,10 +212,7 @@ def report_step_profile(cfg: Any) -> dict[str, Any]:
         "step_ms": 1e3 * run["wall_s"] / steps,
         "parts_ms": parts,
         "aten_ops": run["ops"],
-        "top_ops": [
-            {"name": n, "calls_per_step": c / steps, "us_per_call": 1e6 * s / c, "ms_per_step": 1e3 * s / steps}
-            for n, c, s in top
-        ],
+        "top_ops": per_step_rows(top, steps),
         "gpu": None if run["kernels"] is None else gpu_kernels(run["kernels"], run["wall_s"], steps, cfg.top),
     }
     _print(result)
@@ -249,22 +252,24 @@ def _print(result: dict[str, Any]) -> None:
         markup=False,
         highlight=False,
     )
-    ops = Table(title="costliest ops (self time)")
-    for column in ("op", "calls / step", "µs / call", "ms / step"):
-        ops.add_column(column, justify="left" if column == "op" else "right")
-    for op in result["top_ops"]:
-        name = op["name"] if len(op["name"]) <= 72 else op["name"][:69] + "..."
-        ops.add_row(name, f"{op['calls_per_step']:.1f}", f"{op['us_per_call']:.1f}", f"{op['ms_per_step']:.2f}")
-    console.print(ops)
+    console.print(_rows_table("costliest ops (self time)", "op", result["top_ops"], ms_digits=2))
     gpu = result["gpu"]
     if gpu is not None:
-        kernels = Table(
-            title=f"GPU kernels: {gpu['kernels_per_step']:.0f} per step, {gpu['kernel_ms_per_step']:.2f} ms per step "
+        title = (
+            f"GPU kernels: {gpu['kernels_per_step']:.0f} per step, {gpu['kernel_ms_per_step']:.2f} ms per step "
             f"({100 * gpu['busy_share']:.0f} % of the wall time)"
         )
-        for column in ("kernel", "calls / step", "µs / call", "ms / step"):
-            kernels.add_column(column, justify="left" if column == "kernel" else "right")
-        for k in gpu["top"]:
-            name = k["name"] if len(k["name"]) <= 72 else k["name"][:69] + "..."
-            kernels.add_row(name, f"{k['calls_per_step']:.1f}", f"{k['us_per_call']:.1f}", f"{k['ms_per_step']:.3f}")
-        console.print(kernels)
+        console.print(_rows_table(title, "kernel", gpu["top"], ms_digits=3))
+
+
+def _rows_table(title: str, what: str, rows: list[dict[str, Any]], ms_digits: int) -> Table:
+    """A table of :func:`per_step_rows` rows, long names cut to 72 characters."""
+    table = Table(title=title)
+    for column in (what, "calls / step", "µs / call", "ms / step"):
+        table.add_column(column, justify="left" if column == what else "right")
+    for row in rows:
+        name = row["name"] if len(row["name"]) <= 72 else row["name"][:69] + "..."
+        table.add_row(
+            name, f"{row['calls_per_step']:.1f}", f"{row['us_per_call']:.1f}", f"{row['ms_per_step']:.{ms_digits}f}"
+        )
+    return table

@@ -206,7 +206,6 @@ class Engine:
             drafter.reserve(slots)  # type: ignore[attr-defined]
         cuda = self.device.type == "cuda"
         graphs = self.config.cuda_graphs if self.config.cuda_graphs is not None else cuda
-        self.cuda_graphs = graphs  # the step functions replay CUDA graphs
         if graphs and not cuda:
             raise ConfigError("engine.cuda_graphs=true needs the model on a CUDA device.")
         for part in (verifier, drafter):
@@ -292,6 +291,11 @@ class Engine:
         """Seconds the verify and draft step functions have spent compiling (``engine.compile``)
         or capturing (``engine.cuda_graphs``) shapes at their first call, warm-up or not."""
         return _compile_s(self.verifier) + _compile_s(self.drafter)
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether the target's step functions replay CUDA graphs (the verifier's step mode)."""
+        return getattr(self.verifier, "cuda_graphs", False)
 
     @property
     def warmup_s(self) -> float:
@@ -708,8 +712,7 @@ class Engine:
         """Target over each chunk [c0, c1); returns hidden states [c1 - c0, H] per chunk. With
         CUDA graphs the chunks run as one captured step, padded to a batch bucket and a width
         bucket; otherwise eagerly (compiling every chunk shape would take minutes on a CPU)."""
-        static = getattr(self.verifier, "cuda_graphs", False)
-        pad_to = bucket_for(len(chunks), self.config.batch_buckets) if static else None
+        pad_to = bucket_for(len(chunks), self.config.batch_buckets) if self.cuda_graphs else None
         work = [(r.id, r.token_ids[c0:c1], c0) for r, c0, c1 in chunks]
         return self.verifier.prefill(self.kv, work, self._run_target, pad_to=pad_to)
 

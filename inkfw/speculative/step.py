@@ -113,16 +113,21 @@ MIN_TABLE_WIDTH = 4  # blocks: short contexts share one shape
 MIN_PREFILL_WIDTH = 16  # tokens: short prompt chunks share one shape
 
 
+def _power_of_two_bucket(n: int, smallest: int) -> int:
+    """The next power of two >= ``n``, at least ``smallest``."""
+    return max(smallest, 1 << max(0, n - 1).bit_length())
+
+
 def prefill_width(tokens: int) -> int:
     """Width of a static prompt-chunk batch whose longest chunk has ``tokens`` tokens: the next
     power of two, at least :data:`MIN_PREFILL_WIDTH`."""
-    return max(MIN_PREFILL_WIDTH, 1 << max(0, tokens - 1).bit_length())
+    return _power_of_two_bucket(tokens, MIN_PREFILL_WIDTH)
 
 
 def table_width(blocks: int) -> int:
     """Block-table width for a row that needs ``blocks`` blocks: the next power of two, at least
     :data:`MIN_TABLE_WIDTH`."""
-    return max(MIN_TABLE_WIDTH, 1 << max(0, blocks - 1).bit_length())
+    return _power_of_two_bucket(blocks, MIN_TABLE_WIDTH)
 
 
 class StepBuffers:
@@ -253,25 +258,27 @@ class StepFunction:
 
     def _call(self, args: tuple[torch.Tensor, ...]) -> Any:
         key = self.shape_key(args)
-        if self.compiled and key not in self._seen:  # first call of a shape: compiles (or reuses)
+        if key in self._seen:
+            if not self.cuda_graphs:
+                return self.fn(*args)
+            graph, _, out = self._graphs[key]
+            graph.replay()
+            return out
+        # first call of this shape: compiles (compile), or runs once and is captured for the
+        # calls after it (CUDA graphs); both count as warm-up
+        if self.compiled:
             for a in args[self.tables_from :]:  # one compiled graph for every table width (context length)
                 if a.dim() == 2:
                     torch._dynamo.mark_dynamic(a, 1)
-        if not self.cuda_graphs:
-            if self.compiled and key not in self._seen:
-                t = time.perf_counter()
-                out = self.fn(*args)
-                self.warmup_s += time.perf_counter() - t
-                self._seen.add(key)
-                return out
-            return self.fn(*args)
-        graph = self._graphs.get(key)
-        if graph is None:  # first call of this shape: run once, capture for the calls after it
+        if self.cuda_graphs:
             self._graphs[key], out = self._capture(args)
-            self._seen.add(key)
-            return out
-        graph[0].replay()
-        return graph[2]
+        else:
+            t = time.perf_counter()
+            out = self.fn(*args)
+            if self.compiled:
+                self.warmup_s += time.perf_counter() - t
+        self._seen.add(key)
+        return out
 
     def _capture(self, args: tuple[torch.Tensor, ...]) -> tuple[tuple[Any, tuple[torch.Tensor, ...], Any], Any]:
         """Run ``fn`` on ``args`` once for real, then capture its graph: ``((graph, args, graph

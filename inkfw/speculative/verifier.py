@@ -103,12 +103,12 @@ class TargetVerifier(StepModes):
         B, T = len(chunks), max(len(tokens) for _, tokens, _ in chunks)
         static = pad_to is not None
         W = prefill_width(T) if static else T
-        rows = max(B, pad_to or 0)
-        rids = [rid for rid, _, _ in chunks] + [None] * (rows - B)
-        first = [c0 for _, _, c0 in chunks] + [0] * (rows - B)
-        end = [c0 + len(tokens) for _, tokens, c0 in chunks] + [0] * (rows - B)
-        lengths = [len(tokens) for _, tokens, _ in chunks] + [0] * (rows - B)
-        ids = [list(tokens) + [0] * (W - len(tokens)) for _, tokens, _ in chunks] + [[0] * W] * (rows - B)
+        padded = [*chunks, *[(None, (), 0)] * (max(B, pad_to or 0) - B)]  # padding rows: no tokens
+        rids = [rid for rid, _, _ in padded]
+        first = [c0 for _, _, c0 in padded]
+        lengths = [len(tokens) for _, tokens, _ in padded]
+        end = [c0 + n for c0, n in zip(first, lengths)]
+        ids = [list(tokens) + [0] * (W - len(tokens)) for _, tokens, _ in padded]
         # padding positions repeat the chunk's last one (invalid: written to the scratch slot)
         positions = [[c0 + min(i, max(0, n - 1)) for i in range(W)] for c0, n in zip(first, lengths)]
         valid = [[i < n for i in range(W)] for n in lengths]

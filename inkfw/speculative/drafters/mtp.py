@@ -202,14 +202,9 @@ class MtpDrafter(StepModes):
         # static batches pad spans and hidden rows to k + 1 >= any span after a verify step (docs/design.md
         # §2): one shape per (bucket, K), whatever k the verify before ran at (adaptive k); prompt
         # chunks (CUDA graphs only) to their width bucket
-        longest_span = max(lengths)
-        static_width = (
-            0
-            if pad_to is None
-            else self.num_tokens + 1
-            if longest_span <= self.num_tokens + 1
-            else prefill_width(longest_span)
-        )
+        static_width = 0 if pad_to is None else self.num_tokens + 1
+        if static_width and max(lengths) > static_width:  # prompt chunks
+            static_width = prefill_width(max(lengths))
         T = max(*lengths, static_width)
         Th = max(static_width, *(len(h) for h in hiddens))
         E = T + max(K, P)  # ext width: depth s reads ext[:, s : s + T], drafts land up to T + K
