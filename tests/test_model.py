@@ -210,6 +210,34 @@ def test_short_conv_computes_in_fp32():
     torch.testing.assert_close(y, ref_sconv(conv.weight, x.float()).to(torch.bfloat16), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_conv_weights_stay_tap_major_through_init_and_load(dtype):
+    """The cached path reads ``weight.permute(1, 2, 0)`` [1, K, C]; stored tap-major, that read is
+    contiguous over channels, which keeps inductor's fused conv + norm kernel vectorised over
+    channels (read with stride K it tiled by tokens: ~3x slower at 9 tokens). Loading and casting
+    keep the layout, and a seeded init draws the values a channel-major weight would draw."""
+    from pathlib import Path
+
+    from inkfw.models.inkling.checkpoint import load_model
+
+    model, _ = load_model(Path(__file__).parents[1] / "checkpoints" / "inkling-tiny", dtype=dtype)
+    convs = [m for m in model.modules() if isinstance(m, ShortConv)]
+    assert len(convs) == 80
+    assert all(c.weight.dtype == torch.float32 and c.weight.permute(1, 2, 0).is_contiguous() for c in convs)
+
+    tap_major, channel_major = InklingLM(tiny_config()), InklingLM(tiny_config())
+    for m in channel_major.modules():
+        if isinstance(m, ShortConv):
+            m.weight = torch.nn.Parameter(m.weight.detach().contiguous())
+    for lm in (tap_major, channel_major):
+        torch.manual_seed(3)
+        lm.init_weights()
+    convs = [m for m in tap_major.modules() if isinstance(m, ShortConv)]
+    assert convs and all(c.weight.permute(1, 2, 0).is_contiguous() for c in convs)
+    for (name, a), b in zip(tap_major.state_dict().items(), channel_major.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
 def test_rmsnorm():
     norm = RMSNorm(8, eps=1e-6)
     with torch.no_grad():
