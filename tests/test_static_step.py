@@ -526,6 +526,51 @@ def test_every_compiled_step_skips_parameter_guards(monkeypatch):
     assert len(compiles) == 3  # no recompiles
 
 
+def test_compiled_steps_check_only_their_inputs_each_call(monkeypatch):
+    """Per call a compiled step checks only what can change: dynamo guards its inputs, not the
+    parameters nor the cache pools its ``kv`` closure reaches (fixed for the function's life; on
+    the shipped checkpoint ~90 pool tensors, each checked and alias-checked), and inductor's
+    wrapper asserts no input's size, stride or alignment (a Python call per input: ~340 per
+    verify step)."""
+    from torch._inductor.utils import run_and_get_code
+
+    import inkfw.speculative.step as step_module
+
+    kept: dict[str, set[bool]] = {}
+    filter_guards = step_module._step_guards
+
+    def recording(entries):
+        keep = filter_guards(entries)
+        for entry, k in zip(entries, keep):
+            kept.setdefault(entry.name, set()).add(k)
+        return keep
+
+    monkeypatch.setattr(step_module, "_step_guards", recording)
+    torch._dynamo.reset()
+    linear = torch.nn.Linear(4, 4, bias=False)
+
+    class Pools:
+        def __init__(self):
+            self.groups = [torch.zeros(8, 4), torch.zeros(8, 4)]
+
+    kv = Pools()
+
+    def step(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        for pool in kv.groups:
+            pool.index_copy_(0, slots, linear(x))
+        return kv.groups[0][slots] + kv.groups[1][slots]
+
+    x, slots = torch.randn(2, 4), torch.tensor([1, 5])
+    with torch.no_grad():
+        out, code = run_and_get_code(StepFunction(step, "test-step", compile=True, tables_from=2), x, slots)
+        torch.testing.assert_close(out, 2 * linear(x))
+    assert code and not any("assert_size_stride(" in c or "assert_alignment(" in c for c in code)
+    pools = [name for name in kept if name.startswith("kv.")]
+    assert pools and all(kept[name] == {False} for name in pools), {n: kept[n] for n in pools}
+    assert kept["x"] == kept["slots"] == {True}
+    assert not any(True in k for name, k in kept.items() if "linear" in name and "weight" in name)
+
+
 class _FakeCudaGraphs:
     """``torch.cuda``'s stream and graph API on the CPU, as CUDA graphs behave: a function run
     inside ``torch.cuda.graph(g)`` is recorded, not run (the step functions below ask
