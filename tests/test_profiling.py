@@ -210,6 +210,21 @@ def test_profile_step_script_splits_decode_steps(tmp_path):
     assert result["gpu"] is None and "GPU kernels" not in out.stdout  # on the CPU: no kernels to count
 
 
+def test_profile_step_lists_ops_by_input_shape(tmp_path):
+    """``shapes=true``: the costliest ops come per input shape (a k = 2 verify multiplies 3 rows per
+    request), and the parts still add up, the shapes not changing which part an op is in."""
+    import json
+
+    out = run_profile_step(tmp_path, "spec.num_tokens=2", "steps=2", "shapes=true", f"output={tmp_path}/p.json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads((tmp_path / "p.json").read_text())
+    names = [op["name"] for op in result["top_ops"]]
+    assert any(n.startswith("aten::mm [[3, ") for n in names), names
+    assert "aten::mm" not in names
+    assert result["parts_ms"]["matmuls (aten::mm, addmm, bmm)"] > 0
+    assert sum(result["parts_ms"].values()) == pytest.approx(result["step_ms"], rel=1e-6)
+
+
 def test_profile_step_script_rejects_a_bad_option(tmp_path):
     out = run_profile_step(tmp_path, "steps=0")
     assert out.returncode == 2

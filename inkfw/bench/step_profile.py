@@ -47,6 +47,7 @@ HOST = "host, outside any op (Python)"
 
 
 def part_of(name: str) -> str:
+    name = name.split(" [", 1)[0]  # input shapes (profile_step shapes=true) do not change the part
     for part, matches in PARTS:
         if matches(name):
             return part
@@ -134,9 +135,12 @@ class OpsOutsideSteps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def profile_decode_steps(engine, prompts: list[list[int]], steps: int, max_new_tokens: int) -> dict[str, Any]:
+def profile_decode_steps(
+    engine, prompts: list[list[int]], steps: int, max_new_tokens: int, by_shape: bool = False
+) -> dict[str, Any]:
     """Prefill ``prompts`` unprofiled, count the ops of up to ``steps`` decode steps (those outside
-    the step functions by name), then profile up to ``steps`` more; aborts what is left."""
+    the step functions by name), then profile up to ``steps`` more; aborts what is left.
+    ``by_shape``: record input shapes, and name each event ``op [shapes]`` (one per shape)."""
     engine.eos_ids = set()  # every request runs to its length
     requests = [engine.add_request(p, max_new_tokens=max_new_tokens) for p in prompts]
     while not all(_is_decoding(r) for r in requests):
@@ -150,7 +154,7 @@ def profile_decode_steps(engine, prompts: list[list[int]], steps: int, max_new_t
     cuda = engine.device.type == "cuda"
     if cuda:  # the kernels too, CUDA graphs' included
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=activities, record_shapes=by_shape) as prof:
         t0 = time.perf_counter()
         while done < steps and any(not r.finished for r in requests):
             engine.step()
@@ -162,9 +166,9 @@ def profile_decode_steps(engine, prompts: list[list[int]], steps: int, max_new_t
         engine.abort(r)
     if done == 0:
         raise ConfigError("no decode step ran: raise max_new_tokens.")
-    averages = prof.key_averages()
+    averages = prof.key_averages(group_by_input_shape=by_shape)
     on_gpu = [e for e in averages if e.device_type == torch.profiler.DeviceType.CUDA]
-    events = [(e.key, e.count, e.self_cpu_time_total / 1e6) for e in averages if e not in on_gpu]
+    events = [(_event_name(e, by_shape), e.count, e.self_cpu_time_total / 1e6) for e in averages if e not in on_gpu]
     kernels = [(e.key, e.count, e.self_device_time_total / 1e6) for e in on_gpu] if cuda else None
     outside = {
         "steps": counted,
@@ -173,6 +177,13 @@ def profile_decode_steps(engine, prompts: list[list[int]], steps: int, max_new_t
         "outside_by_op": {name: n / max(1, counted) for name, n in ops.outside.most_common()},
     }
     return {"steps": done, "wall_s": wall_s, "events": events, "ops": outside, "kernels": kernels}
+
+
+def _event_name(event: Any, by_shape: bool) -> str:
+    """The op's name, with its input shapes after it (``aten::mm [[9, 128], [128, 1024]]``) when
+    recorded; :func:`part_of` reads the name before them."""
+    shapes = [s for s in event.input_shapes if s] if by_shape else []
+    return f"{event.key} {shapes}" if shapes else event.key
 
 
 def report_step_profile(cfg: Any) -> dict[str, Any]:
@@ -200,7 +211,9 @@ def report_step_profile(cfg: Any) -> dict[str, Any]:
     prompts = load_prompt_set(
         cfg.prompt_set, tokenizer, cfg.batch_size, engine.vocab_size, prompt_len=cfg.prompt_len, seed=0
     )
-    run = profile_decode_steps(engine, batch_requests(prompts, cfg.batch_size), cfg.steps, cfg.max_new_tokens)
+    run = profile_decode_steps(
+        engine, batch_requests(prompts, cfg.batch_size), cfg.steps, cfg.max_new_tokens, by_shape=bool(cfg.shapes)
+    )
     steps, events = run["steps"], run["events"]
     parts = step_parts(events, run["wall_s"], steps)
     top = sorted(events, key=lambda e: -e[2])[: cfg.top]
