@@ -47,7 +47,6 @@ HOST = "host, outside any op (Python)"
 
 
 def part_of(name: str) -> str:
-    name = name.split(" [", 1)[0]  # input shapes (profile_step shapes=true) do not change the part
     for part, matches in PARTS:
         if matches(name):
             return part
@@ -140,7 +139,8 @@ def profile_decode_steps(
 ) -> dict[str, Any]:
     """Prefill ``prompts`` unprofiled, count the ops of up to ``steps`` decode steps (those outside
     the step functions by name), then profile up to ``steps`` more; aborts what is left.
-    ``by_shape``: record input shapes, and name each event ``op [shapes]`` (one per shape)."""
+    ``events`` are (op, calls, self seconds); ``by_shape``: input shapes recorded, one event per
+    op and shapes, and ``listed`` names those ``op [shapes]`` (else it is ``events``)."""
     engine.eos_ids = set()  # every request runs to its length
     requests = [engine.add_request(p, max_new_tokens=max_new_tokens) for p in prompts]
     while not all(_is_decoding(r) for r in requests):
@@ -168,7 +168,9 @@ def profile_decode_steps(
         raise ConfigError("no decode step ran: raise max_new_tokens.")
     averages = prof.key_averages(group_by_input_shape=by_shape)
     on_gpu = [e for e in averages if e.device_type == torch.profiler.DeviceType.CUDA]
-    events = [(_event_name(e, by_shape), e.count, e.self_cpu_time_total / 1e6) for e in averages if e not in on_gpu]
+    on_cpu = [e for e in averages if e not in on_gpu]
+    events = [(e.key, e.count, e.self_cpu_time_total / 1e6) for e in on_cpu]
+    listed = [(_with_shapes(e), c, s) for e, (_, c, s) in zip(on_cpu, events)] if by_shape else events
     kernels = [(e.key, e.count, e.self_device_time_total / 1e6) for e in on_gpu] if cuda else None
     outside = {
         "steps": counted,
@@ -176,13 +178,12 @@ def profile_decode_steps(
         "inside_per_step": None if ops.inside is None else ops.inside / max(1, counted),
         "outside_by_op": {name: n / max(1, counted) for name, n in ops.outside.most_common()},
     }
-    return {"steps": done, "wall_s": wall_s, "events": events, "ops": outside, "kernels": kernels}
+    return {"steps": done, "wall_s": wall_s, "events": events, "listed": listed, "ops": outside, "kernels": kernels}
 
 
-def _event_name(event: Any, by_shape: bool) -> str:
-    """The op's name, with its input shapes after it (``aten::mm [[9, 128], [128, 1024]]``) when
-    recorded; :func:`part_of` reads the name before them."""
-    shapes = [s for s in event.input_shapes if s] if by_shape else []
+def _with_shapes(event: Any) -> str:
+    """The op's name with its recorded input shapes after it: ``aten::mm [[9, 128], [128, 1024]]``."""
+    shapes = [s for s in event.input_shapes if s]
     return f"{event.key} {shapes}" if shapes else event.key
 
 
@@ -216,7 +217,7 @@ def report_step_profile(cfg: Any) -> dict[str, Any]:
     )
     steps, events = run["steps"], run["events"]
     parts = step_parts(events, run["wall_s"], steps)
-    top = sorted(events, key=lambda e: -e[2])[: cfg.top]
+    top = sorted(run["listed"], key=lambda e: -e[2])[: cfg.top]
     result = {
         "engine": _engine_summary(cfg, engine.cuda_graphs),
         "batch_size": cfg.batch_size,

@@ -137,6 +137,18 @@ def table_width(blocks: int) -> int:
     return _power_of_two_bucket(blocks, MIN_TABLE_WIDTH)
 
 
+def flat_tables(tables: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    """A step function's table arguments: ``table, base`` of each group of ``tables`` (from
+    ``KVManager.step_tables``), in its order; :func:`table_views` undoes it inside the function."""
+    return [t for table_and_base in tables.values() for t in table_and_base]
+
+
+def table_views(groups: Sequence[int], flat: Sequence[torch.Tensor]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """``{group: (table, base)}`` of ``groups`` from table arguments laid out by
+    :func:`flat_tables` (extra arguments after them are ignored)."""
+    return {gi: (flat[2 * i], flat[2 * i + 1]) for i, gi in enumerate(groups)}
+
+
 class StepBuffers:
     """Persistent device tensors, one per (name, shape, dtype), refilled from host values.
 

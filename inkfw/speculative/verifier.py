@@ -26,7 +26,15 @@ from inkfw.speculative.interfaces import (
 )
 from inkfw.speculative.observers import run_directly
 from inkfw.speculative.sampling import Sampler
-from inkfw.speculative.step import StepBuffers, StepFunction, StepModes, prefill_width, table_width
+from inkfw.speculative.step import (
+    StepBuffers,
+    StepFunction,
+    StepModes,
+    flat_tables,
+    prefill_width,
+    table_views,
+    table_width,
+)
 
 
 class TargetVerifier(StepModes):
@@ -78,8 +86,7 @@ class TargetVerifier(StepModes):
             stage("positions", [[s + i for i in range(k + 1)] for s in starts]),
             stage("valid", [[i <= n for i in range(k + 1)] for n in num_drafts], torch.bool),
         ]
-        for table, base in tables.values():
-            args += [table, base]
+        args += flat_tables(tables)
         self.buffers.flush()  # the staged host values, one copy per dtype
         hidden, logits, num_accepted, next_tokens = run(self._function(kv, len(tables)), *args)
         if not all(r.sampling.greedy for r in requests) or type(self).accept is not TargetVerifier.accept:
@@ -129,15 +136,14 @@ class TargetVerifier(StepModes):
                 stage("prefill_positions", positions),
                 stage("prefill_valid", valid, torch.bool),
             ]
-            for table, base in tables.values():
-                args += [table, base]
+            args += flat_tables(tables)
             self.buffers.flush()
             hidden = run(self._prefill_function(kv, len(tables)), *args)
         return [hidden[b, :n] for b, n in enumerate(lengths[:B])]  # [rows, W, H] -> [n, H] each
 
     def _prefill_function(self, kv: KVManager, num_groups: int) -> StepFunction:
         def prefill_step(ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, *tables: torch.Tensor):
-            views = {gi: (tables[2 * i], tables[2 * i + 1]) for i, gi in enumerate(kv.group_indices())}
+            views = table_views(kv.group_indices(), tables)
             return self.model(ids, positions, kv.caches_from(views, positions, valid))  # [B, W, H]
 
         return self._step_function(("prefill", num_groups), prefill_step, "prefill", tables_from=3)
@@ -162,8 +168,7 @@ class TargetVerifier(StepModes):
         valid [B, 1+k], block tables -> (hidden [B, 1+k, H], logits [B, 1+k, V], greedy
         num_accepted [B], greedy next token [B])."""
         ids = torch.cat([last[:, None], draft_tokens], dim=1)  # [B, 1+k]
-        groups = kv.group_indices()
-        views = {gi: (tables[2 * i], tables[2 * i + 1]) for i, gi in enumerate(groups)}
+        views = table_views(kv.group_indices(), tables)
         hidden = self.model(ids, positions, kv.caches_from(views, positions, valid))  # [B, 1+k, H]
         logits = self.model.logits(hidden)  # [B, 1+k, V]
         num_accepted, next_tokens = self.kernels.greedy_accept(

@@ -32,7 +32,15 @@ from inkfw.speculative.draft_view import DraftView
 from inkfw.speculative.interfaces import Drafts, DraftSpan, ForwardRunner, KVManager, TargetModel, TokenSampler
 from inkfw.speculative.observers import run_directly
 from inkfw.speculative.sampling import Sampler
-from inkfw.speculative.step import StepBuffers, StepFunction, StepModes, prefill_width, table_width
+from inkfw.speculative.step import (
+    StepBuffers,
+    StepFunction,
+    StepModes,
+    flat_tables,
+    prefill_width,
+    table_views,
+    table_width,
+)
 
 DEFER_LIMIT = 256  # positions a request's deeper depths may fall behind in shallow rounds
 
@@ -245,11 +253,11 @@ class MtpDrafter(StepModes):
         table_args = []
         last_end = [e + 1 + max(0, w - P) if n else 0 for e, n, w in zip(ends, lengths, wants)]
         for d in range(depths_run):  # K > P: depths_run = P = D
-            tables = kv.step_tables(
-                kv.group_indices(d), rids + [None] * pad, starts, last_end, width=table_width, stage=stage
+            table_args += flat_tables(
+                kv.step_tables(
+                    kv.group_indices(d), rids + [None] * pad, starts, last_end, width=table_width, stage=stage
+                )
             )
-            for gi in kv.group_indices(d):
-                table_args += list(tables[gi])
         args = (self.buffers.stage("hidden", hidden, hidden.dtype), *rows_t, *table_args)
         self.buffers.flush()  # the staged host values, one copy per dtype
 
@@ -303,9 +311,8 @@ class MtpDrafter(StepModes):
         )  # [B, T, H], [B, T], [B, T], [B]
 
         def depth_tables(d: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-            groups = kv.group_indices(d)
             at = 2 * sum(len(kv.group_indices(e)) for e in range(d))
-            return {gi: (tables[at + 2 * i], tables[at + 2 * i + 1]) for i, gi in enumerate(groups)}
+            return table_views(kv.group_indices(d), tables[at:])
 
         tokens = torch.zeros(B, K, dtype=torch.long, device=device)
         depth_input = self.kernels.mtp_depth_input if self.kernels.fused else None  # else the depth's modules
