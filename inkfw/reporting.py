@@ -80,6 +80,8 @@ def step_times_record(t: StepTimes) -> dict[str, Any]:
         "bookkeeping_s": t.bookkeeping_s,
         "forward_s": t.forward_s,
         "num_steps": t.num_steps,
+        "prompt_steps": t.prompt_steps,
+        "prompt_s": t.prompt_s,
     }
 
 
@@ -146,6 +148,10 @@ def _percentages(xs: Sequence[float]) -> str:
     return " ".join(f"{100 * x:.1f}%" for x in xs) if xs else "-"
 
 
+def _steps(n: int) -> str:
+    return f"{n} step" + ("" if n == 1 else "s")
+
+
 def infer_table(metrics: dict[str, Any], model: str, title: str = "inkfw infer") -> Table:
     """The run's acceptance and timing (:func:`run_metrics` plus ``num_errors``) as a table."""
     m = metrics
@@ -175,6 +181,13 @@ def infer_table(metrics: dict[str, Any], model: str, title: str = "inkfw infer")
     ttft = m["time_to_first_token_s"]
     table.add_row("mean time to first token", f"{ttft:.3f} s" if ttft is not None else "-")
     table.add_row("engine steps", f"{st['num_steps']}")
+    decode_steps = st["num_steps"] - st["prompt_steps"]
+    if decode_steps:
+        table.add_row(
+            "mean decode step", f"{1e3 * (total - st['prompt_s']) / decode_steps:.2f} ms ({_steps(decode_steps)})"
+        )
+    if st["prompt_steps"]:
+        table.add_row("steps with prompt chunks", f"{st['prompt_s']:.3f} s ({_steps(st['prompt_steps'])})")
     table.add_row("step time: draft", share(st["draft_s"]))
     table.add_row("step time: verify", share(st["verify_s"]))
     table.add_row("step time: bookkeeping", share(st["bookkeeping_s"]))
@@ -495,7 +508,8 @@ def overhead_markdown(results: Sequence[dict[str, Any]]) -> str:
     rows) as a Markdown table."""
     cache = _has_cache_time(results)
     head = (
-        "| prompt set | run | wall s | tokens/s | steps | step ms | forward ms | **overhead** | per repeat "
+        "| prompt set | run | wall s | tokens/s | steps | step ms | decode step ms | prompt steps | forward ms "
+        "| **overhead** | per repeat "
         "| non-fwd ms/step | draft other ms | verify other ms | bookkeeping ms | tau | KV MiB |"
         + (" cache ms in fwd | model-only overhead |" if cache else "")
     )
@@ -504,7 +518,8 @@ def overhead_markdown(results: Sequence[dict[str, Any]]) -> str:
         n = max(1, r["num_steps"])
         lines.append(
             f"| {r['prompt_set']} | {r['name']} | {r['wall_s']:.2f} | "
-            f"{r['tokens_per_s']:.1f} | {r['num_steps']} | {r['step_ms']:.1f} | {1e3 * r['forward_s'] / n:.1f} | "
+            f"{r['tokens_per_s']:.1f} | {r['num_steps']} | {r['step_ms']:.1f} | {r['decode_step_ms']:.1f} | "
+            f"{_prompt_steps(r)} | {1e3 * r['forward_s'] / n:.1f} | "
             f"**{r['overhead_ratio']:.3f}** | {_spread(r['overhead_ratio_per_repeat'])} | "
             f"{r['non_forward_ms_per_step']:.2f} | {1e3 * r['draft_non_forward_s'] / n:.2f} | "
             f"{1e3 * r['verify_non_forward_s'] / n:.2f} | {1e3 * r['bookkeeping_s'] / n:.2f} | "
@@ -512,6 +527,12 @@ def overhead_markdown(results: Sequence[dict[str, Any]]) -> str:
             + (f" {1e3 * r['cache_in_forward_s'] / n:.2f} | {r['overhead_ratio_model_only']:.3f} |" if cache else "")
         )
     return "\n".join(lines) + "\n"
+
+
+def _prompt_steps(r: dict[str, Any]) -> str:
+    """A result row's steps with prompt chunks: ``count x mean ms``."""
+    n = r["prompt_steps"]
+    return f"{n} x {1e3 * r['prompt_s'] / n:.1f}" if n else "0"
 
 
 def overhead_table(results: Sequence[dict[str, Any]], profiled: bool = False) -> Table:
@@ -527,6 +548,8 @@ def overhead_table(results: Sequence[dict[str, Any]], profiled: bool = False) ->
         "tok/s",
         "steps",
         "step ms",
+        "decode step ms",
+        "prompt steps (ms)",
         "overhead",
         "per repeat",
         "non-fwd ms/step",
@@ -549,6 +572,8 @@ def overhead_table(results: Sequence[dict[str, Any]], profiled: bool = False) ->
             f"{r['tokens_per_s']:.1f}",
             str(r["num_steps"]),
             f"{r['step_ms']:.1f}",
+            f"{r['decode_step_ms']:.1f}",
+            _prompt_steps(r),
             f"[{style}]{ratio:.3f}[/{style}]",
             _spread(r["overhead_ratio_per_repeat"]),
             f"{r['non_forward_ms_per_step']:.2f}",

@@ -286,7 +286,8 @@ def _report(results, exactness):
 def test_renderings_of_auto_rows_and_a_failed_check(tmp_path):
     overhead = {
         "wall_s": 1.0, "tokens": 64, "num_steps": 20, "step_s": 0.9, "forward_s": 0.8, "overhead_ratio": 1.125,
-        "overhead_ratio_per_repeat": [1.125], "step_ms": 45.0, "non_forward_ms_per_step": 5.0, "draft_s": 0.3,
+        "overhead_ratio_per_repeat": [1.125], "step_ms": 45.0, "decode_steps": 19, "decode_step_ms": 40.0,
+        "prompt_steps": 1, "prompt_s": 0.14, "non_forward_ms_per_step": 5.0, "draft_s": 0.3,
         "verify_s": 0.5, "bookkeeping_s": 0.1, "draft_forward_s": 0.25, "verify_forward_s": 0.55,
         "draft_non_forward_s": 0.05, "verify_non_forward_s": -0.05, "cache_in_forward_s": None,
         "overhead_ratio_model_only": None, "kv_bytes": 2**20, "host_reads_per_step": 1.0, "warmup_s": 3.5,

@@ -388,6 +388,25 @@ def test_observers_see_every_forward_and_step(model, drafter, phases):
     assert len(rec.events) == before and late.events
 
 
+def test_steps_with_prompt_chunks_are_timed_apart(model):
+    """``StepTimes`` counts the steps that ran prompt chunks (chunked prompts; a prompt admitted
+    beside a decoding request shares its step) and their seconds, within the totals; the others
+    are decode steps."""
+    eng, _ = make_engine(model, mtp(2, 2), max_num_batched_tokens=8, check_drafts=False)
+    first = eng.add_request(list(range(3, 23)), max_new_tokens=12)  # 19 positions to prefill: 3 chunks of <= 8
+    second = None
+    expected = 0
+    while not first.finished or (second is not None and not second.finished):
+        if eng.times.num_steps == 5:
+            second = eng.add_request([5, 6, 7, 8, 9], max_new_tokens=4)  # its chunk joins `first`'s decode step
+        expected += any(r.num_computed < len(r.token_ids) - 1 for r in (*eng.waiting, *eng.running))
+        eng.step()
+    t = eng.times
+    assert expected == 4 and t.prompt_steps == expected  # first's 3 chunks, second's 1 beside a decode
+    assert t.decode_steps == t.num_steps - expected > 0
+    assert 0 < t.prompt_s < t.total_s and t.decode_s == pytest.approx(t.total_s - t.prompt_s)
+
+
 def test_status_and_finish_reason_are_named_strings(model):
     """Request status and finish reason are enums whose values are the strings JSON shows."""
     eng, _ = make_engine(model, NO_DRAFTER, check_drafts=False)

@@ -80,6 +80,10 @@ def bench_row(drafter: str, batch: int, **over) -> dict:
         "overhead_ratio": 1.1,
         "overhead_ratio_per_repeat": [1.08, 1.12],
         "step_ms": 27.5,
+        "decode_steps": 38,
+        "decode_step_ms": 24.5,
+        "prompt_steps": 2,
+        "prompt_s": 0.169,
         "non_forward_ms_per_step": 2.5,
         "draft_s": 0.3,
         "verify_s": 0.7,
@@ -117,7 +121,9 @@ def test_run_metrics_from_engine_state():
     metrics = SpecMetrics()
     metrics.record([4, 4], [2, 0])
     metrics.record([4], [4])
-    times = StepTimes(draft_s=1.0, verify_s=2.0, bookkeeping_s=1.0, forward_s=3.0, num_steps=2)
+    times = StepTimes(
+        draft_s=1.0, verify_s=2.0, bookkeeping_s=1.0, forward_s=3.0, num_steps=2, prompt_steps=1, prompt_s=0.5
+    )
     engine = SimpleNamespace(
         metrics=metrics,
         times=times,
@@ -137,7 +143,15 @@ def test_run_metrics_from_engine_state():
     assert m["mean_acceptance_length"] == pytest.approx(1 + 6 / 3)
     assert m["mean_acceptance_length"] == pytest.approx(1 + sum(m["acceptance_per_position"]))
     assert m["time_to_first_token_s"] == pytest.approx(1.0)  # the request without a first token is left out
-    assert m["step_times"] == {"draft_s": 1.0, "verify_s": 2.0, "bookkeeping_s": 1.0, "forward_s": 3.0, "num_steps": 2}
+    assert m["step_times"] == {
+        "draft_s": 1.0,
+        "verify_s": 2.0,
+        "bookkeeping_s": 1.0,
+        "forward_s": 3.0,
+        "num_steps": 2,
+        "prompt_steps": 1,
+        "prompt_s": 0.5,
+    }
     assert m["forward_share"] == pytest.approx(0.75)
     assert m["warmup_s"] == 1.5 and m["chosen_k"] == {"0": 1, "2": 3}
     json.dumps(m)  # plain data, ready for output.json
@@ -163,13 +177,23 @@ def test_infer_table_rows():
         "time_to_first_token_s": None,
         "forward_share": 0.8,
         "num_errors": 2,
-        "step_times": {"draft_s": 1.0, "verify_s": 3.0, "bookkeeping_s": 0.0, "forward_s": 3.2, "num_steps": 9},
+        "step_times": {
+            "draft_s": 1.0,
+            "verify_s": 3.0,
+            "bookkeeping_s": 0.0,
+            "forward_s": 3.2,
+            "num_steps": 9,
+            "prompt_steps": 1,
+            "prompt_s": 0.8,
+        },
     }
     text = rendered(infer_table(m, "checkpoints/x"))
     assert "inkfw infer" in text and "checkpoints/x" in text
     assert "mtp (k=4, D=2)" in text and "3 (+2 rejected)" in text
     assert "1.500" in text and "25.0% 25.0%" in text and "48 / 6 (12.5%)" in text and "12.3" in text
     assert "1.000 s (25%)" in text and "3.000 s (75%)" in text and "80%" in text
+    assert "mean decode step" in text and "400.00 ms (8 steps)" in text  # (4.0 - 0.8) s over 9 - 1 steps
+    assert "0.800 s (1 step)" in text
     assert "k chosen" not in text and "warm-up" not in text  # neither auto nor warmed up
     text = rendered(infer_table({**m, "chosen_k": {"0": 3, "2": 5}, "warmup_s": 10.46}, "x"))
     assert "0:3 2:5" in text and "10.5 s" in text
@@ -204,18 +228,21 @@ def test_overhead_markdown_and_table_columns():
     rows = [bench_row("none", 1), bench_row("mtp", 1, overhead_ratio=1.3)]
     md = overhead_markdown(rows).strip().splitlines()
     assert len(md) == 4 and all(line.count("|") == md[0].count("|") for line in md)
-    assert md[2].startswith("| humaneval | eager none b1 | 2.00 | 50.0 | 40 | 27.5 | 25.0 | **1.100** | 1.080-1.120 |")
+    assert md[2].startswith(
+        "| humaneval | eager none b1 | 2.00 | 50.0 | 40 | 27.5 | 24.5 | 2 x 84.5 | 25.0 | **1.100** | 1.080-1.120 |"
+    )
+    assert "| 0 |" in overhead_markdown([bench_row("none", 1, prompt_steps=0, prompt_s=0.0)])
     assert "cache ms" not in md[0]
     cached = overhead_markdown([bench_row("none", 1, cache_in_forward_s=0.2, overhead_ratio_model_only=1.375)])
     assert "model-only overhead" in cached and "| 5.00 | 1.375 |" in cached
     table = overhead_table(rows)
-    assert len(table.columns) == 13 and table.row_count == 2
+    assert len(table.columns) == 15 and table.row_count == 2
     text = rendered(table)
     assert "humaneval eager mtp k=4 b1" in text and "1.080-1.120" in text and "3.0" in text
     assert "cProfile" in rendered(overhead_table(rows, profiled=True))
     assert (
         len(overhead_table([bench_row("none", 1, cache_in_forward_s=0.2, overhead_ratio_model_only=1.375)]).columns)
-        == 15
+        == 17
     )
 
 

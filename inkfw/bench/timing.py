@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import cProfile
+import dataclasses
 import io
 import pstats
 from collections.abc import Iterator
@@ -97,13 +98,7 @@ class CacheTimer:
 
 
 def add_step_times(a: StepTimes, b: StepTimes) -> StepTimes:
-    return StepTimes(
-        a.draft_s + b.draft_s,
-        a.verify_s + b.verify_s,
-        a.bookkeeping_s + b.bookkeeping_s,
-        a.forward_s + b.forward_s,
-        a.num_steps + b.num_steps,
-    )
+    return StepTimes(**{f.name: getattr(a, f.name) + getattr(b, f.name) for f in dataclasses.fields(StepTimes)})
 
 
 @dataclass
@@ -164,6 +159,10 @@ class CaseTiming:
             "overhead_ratio": t.total_s / t.forward_s if t.forward_s else float("nan"),
             "overhead_ratio_per_repeat": list(self.overhead_ratios),
             "step_ms": 1e3 * t.total_s / max(1, t.num_steps),
+            "decode_steps": t.decode_steps,  # steps without prompt chunks: verify + drafting round
+            "decode_step_ms": 1e3 * t.decode_s / max(1, t.decode_steps),
+            "prompt_steps": t.prompt_steps,  # steps with prompt chunks (prefill and the drafter's pass)
+            "prompt_s": t.prompt_s,
             "non_forward_ms_per_step": 1e3 * (t.total_s - t.forward_s) / max(1, t.num_steps),
             "draft_s": t.draft_s,
             "verify_s": t.verify_s,

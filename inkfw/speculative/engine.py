@@ -148,15 +148,29 @@ def _compile_s(part: object) -> float:
 
 @dataclass
 class StepTimes:
+    """Seconds of engine steps by phase (compiles and captures left out, docs/design.md §6), and
+    how many of the steps, and which of their seconds, ran prompt chunks."""
+
     draft_s: float = 0.0
     verify_s: float = 0.0  # target forwards: prefill chunks and verify steps, with acceptance
     bookkeeping_s: float = 0.0
     forward_s: float = 0.0  # time inside model forwards (target and drafter)
     num_steps: int = 0
+    prompt_steps: int = 0  # steps that ran prompt chunks (and their drafting rounds); decode rows may share them
+    prompt_s: float = 0.0  # those steps' seconds (all three phases), part of total_s
 
     @property
     def total_s(self) -> float:
         return self.draft_s + self.verify_s + self.bookkeeping_s
+
+    @property
+    def decode_steps(self) -> int:
+        """Steps that ran no prompt chunk: verify steps and drafting rounds only."""
+        return self.num_steps - self.prompt_steps
+
+    @property
+    def decode_s(self) -> float:
+        return self.total_s - self.prompt_s
 
 
 class Engine:
@@ -489,6 +503,9 @@ class Engine:
         self.times.bookkeeping_s += t3 - t2
         self.times.forward_s += self.clock.seconds - fwd0 - verify_c - draft_c
         self.times.num_steps += 1
+        if prefills:
+            self.times.prompt_steps += 1
+            self.times.prompt_s += t3 - t0 - verify_c - draft_c
         for obs in self.observers:
             obs.on_step_end(self, finished)
         return finished
