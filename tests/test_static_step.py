@@ -32,7 +32,7 @@ from inkfw.models.inkling.layers import MoE
 from inkfw.profiling import count_host_reads
 from inkfw.speculative.adaptive import AdaptiveK, fit_step_costs, non_decreasing
 from inkfw.speculative.drafters.mtp import MtpDrafter
-from inkfw.speculative.engine import Engine, Request, StepTimes
+from inkfw.speculative.engine import LAG_LIMIT, Engine, Request, StepTimes
 from inkfw.speculative.reference import reference_draft_logits
 from inkfw.speculative.sampling import SamplingParams
 from inkfw.speculative.step import (
@@ -980,6 +980,32 @@ def test_auto_k_drafts_for_a_request_only_where_its_tokens_earn_back_its_prompt_
     assert (engine.metrics.num_draft_tokens > 0) == drafts
     plain, _, _ = generate(model, NO_DRAFTER, [prompt], 8, check_drafts=False)
     assert outputs([r]) == outputs(plain)
+
+
+def test_auto_k_drafts_for_a_due_probe_where_the_prompt_pass_does_not_pay(model):
+    """As above, k = 3 best and a 12-position prompt whose pass (12 plain steps) costs more than
+    its 8 tokens save (6), but with probes on and one due within LAG_LIMIT steps: the request
+    drafts anyway. A request admitted plainly observes nothing, so once every request was, the
+    estimates that admitted them plainly could never change (the fifteenth session's compiled
+    batch-1 run: two early requests, no drafting for the rest of 24). A second request admitted
+    while the first drafts decodes plainly: one drafting request is enough for a probe. Outputs
+    equal plain decoding."""
+    engine, _ = make_engine(model, ["drafter=mtp", "mtp.depths=3", "spec.num_tokens=auto"], check_drafts=False)
+    adaptive = engine.adaptive
+    assert isinstance(adaptive, AdaptiveK)
+    adaptive.set_costs(1, [1.0] * 4, prompt_s=1.0)
+    assert adaptive.best_k(1) == 3 and not adaptive.drafting_pays_for(1, 12, 8)
+    assert adaptive.steps_to_probe(1) <= LAG_LIMIT and adaptive.steps_to_probe(2) <= LAG_LIMIT
+    prompts = prompts_of(67, 2, lo=12, hi=12)
+    first = engine.add_request(prompts[0], max_new_tokens=8)
+    engine.step()
+    second = engine.add_request(prompts[1], max_new_tokens=8)
+    engine.step()
+    assert not first.drafting_off and second.drafting_off
+    engine.generate([first, second])
+    assert first.num_draft_tokens > 0 and second.num_draft_tokens == 0
+    plain, _, _ = generate(model, NO_DRAFTER, prompts, 8, check_drafts=False)
+    assert outputs([first, second]) == outputs(plain)
 
 
 def test_auto_k_prices_a_round_by_the_rows_that_draft(model):

@@ -43,7 +43,9 @@ pick the k in 0..max_k that maximises expected tokens per second.
   prompt_s`` (:meth:`AdaptiveK.drafting_pays_for`), with ``saving_per_token`` one row's share of
   ``step_s[0] / E(0) - step_s[k] / E(k)``, priced optimistically (every estimate at its upper
   bound, k the best there: a request admitted plainly observes nothing); else it decodes plainly
-  from admission. The pass is priced at the larger of the bucket's and batch 1's ``prompt_s``:
+  from admission, unless a probe falls due soon and no other running request drafts (the
+  engine's ``_admits_plainly``: with every request admitted plainly nothing would ever be
+  observed again, and no probe could run). The pass is priced at the larger of the bucket's and batch 1's ``prompt_s``:
   continuous batching mostly admits one request at a time, and a prompt drafted alone cost
   about twice per position what warm-up's four prompts side by side did (0.25-0.30 against
   0.15 ms at batch 4, compiled). Without the price, compiled auto at batch 4 drafted every

@@ -528,18 +528,20 @@ class Engine:
 
     def _admits_plainly(self, r: Request, num_rows: int) -> bool:
         """Whether ``r``, admitted into a batch of ``num_rows``, decodes plainly for good
-        (docs/design.md §5, adaptive k): where adaptive k's best at that bucket drafts, when its
-        remaining tokens could not earn back the drafter's pass over its prompt; where the best is
-        0, when no probe falls due soon or another running request still drafts (one is enough to
-        observe a probe, and each drafting request costs the probe a pass over its prompt and its
-        lag). Its prompt would be drafted over for nothing, and its chunks need not stop short for
-        the drafter."""
+        (docs/design.md §5, adaptive k): where adaptive k's best at that bucket is 0, or where
+        its remaining tokens could not earn back the drafter's pass over its prompt; but not when
+        a probe falls due soon and no other running request drafts (one is enough to observe a
+        probe, and each drafting request costs the probe a pass over its prompt and its lag). A
+        request admitted plainly observes nothing, so without that exception the estimates that
+        admitted it plainly could never change once every request is. Its prompt would be drafted
+        over for nothing, and its chunks need not stop short for the drafter."""
         if self.adaptive is None or self._forced_k is not None or not self.drafter.needs_hidden:
             return False
         bucket = bucket_for(num_rows, self.config.batch_buckets)
         if self.adaptive.best_k(bucket) != 0:
             new_tokens = r.max_new_tokens - len(r.output_token_ids)
-            return not self.adaptive.drafting_pays_for(bucket, len(r.token_ids), new_tokens)
+            if self.adaptive.drafting_pays_for(bucket, len(r.token_ids), new_tokens):
+                return False
         return not self._probe_soon(bucket) or any(not other.drafting_off for other in self.running)
 
     def _draft(self, spans: list[DraftSpan], num_rows: int) -> None:
