@@ -45,10 +45,10 @@ pick the k in 0..max_k that maximises expected tokens per second.
   bound, k the best there: a request admitted plainly observes nothing); else it decodes plainly
   from admission, unless a probe falls due soon and no other running request drafts (the
   engine's ``_admits_plainly``: with every request admitted plainly nothing would ever be
-  observed again, and no probe could run). The pass is priced at the larger of the bucket's and batch 1's ``prompt_s``:
-  continuous batching mostly admits one request at a time, and a prompt drafted alone cost
-  about twice per position what warm-up's four prompts side by side did (0.25-0.30 against
-  0.15 ms at batch 4, compiled). Without the price, compiled auto at batch 4 drafted every
+  observed again, and no probe could run). The pass is priced at the larger of the bucket's
+  and batch 1's ``prompt_s``: continuous batching mostly admits one request at a time, and a
+  prompt drafted alone cost about twice per position what warm-up's four prompts side by side
+  did (0.25-0.30 against 0.15 ms at batch 4, compiled). Without the price, compiled auto at batch 4 drafted every
   HumanEval request at k = 8, whose steps save 0.4-0.55 ms per token: 64 new tokens did not
   earn back a 130-position pass, and the run went at 0.78x plain; with it, 1.03-1.07x
   (BENCHMARKS.md, "Eleventh session").
