@@ -1008,6 +1008,29 @@ def test_auto_k_drafts_for_a_due_probe_where_the_prompt_pass_does_not_pay(model)
     assert outputs([first, second]) == outputs(plain)
 
 
+def test_auto_k_admits_plainly_where_one_drafting_row_could_not_pay(model):
+    """Bucket 4 where k = 2 pays when every row drafts (E(2) = 2.19 at 1.6 plain steps) but even
+    one row drafting every token right could not (1 + 3/4 tokens at 1.9 plain steps), and no
+    prompt pass is earned back: a probe is due, yet all four requests decode plainly. Drafting
+    alone among plain rows, a request would lag until the probe, which the whole batch pays for
+    (eager batch 16 in the fifteenth session: 0.88x plain with that request, 0.97x without).
+    Outputs equal plain decoding."""
+    engine, _ = make_engine(model, ["drafter=mtp", "mtp.depths=3", "spec.num_tokens=auto"], check_drafts=False)
+    adaptive = engine.adaptive
+    assert isinstance(adaptive, AdaptiveK)
+    adaptive.set_costs(4, [1.0, 1.3, 1.6, 1.9], prompt_s=1.0)
+    assert adaptive.best_k(4) == 2 and adaptive.best_k(4, 1 / 4) == 0
+    assert not adaptive.drafting_pays_for(4, 12, 8) and adaptive.steps_to_probe(4) <= LAG_LIMIT
+    prompts = prompts_of(71, 4, lo=12, hi=12)
+    reqs = [engine.add_request(p, max_new_tokens=8) for p in prompts]
+    engine.step()
+    assert all(r.drafting_off for r in reqs)
+    engine.generate(reqs)
+    assert engine.metrics.num_draft_tokens == 0
+    plain, _, _ = generate(model, NO_DRAFTER, prompts, 8, check_drafts=False)
+    assert outputs(reqs) == outputs(plain)
+
+
 def test_auto_k_prices_a_round_by_the_rows_that_draft(model):
     """Two requests at bucket 2 where k = 2 pays if both draft (E = 2.19 at 1.6 plain steps); the
     long prompt's pass (20 positions at 0.1) costs more than its 8 tokens save (1.08), so it

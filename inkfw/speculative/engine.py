@@ -533,8 +533,10 @@ class Engine:
         a probe falls due soon and no other running request drafts (one is enough to observe a
         probe, and each drafting request costs the probe a pass over its prompt and its lag). A
         request admitted plainly observes nothing, so without that exception the estimates that
-        admitted it plainly could never change once every request is. Its prompt would be drafted
-        over for nothing, and its chunks need not stop short for the drafter."""
+        admitted it plainly could never change once every request is. The exception is left out
+        where the bucket's best k drafts but one drafting row among plain ones could not pay: that
+        request would only lag until the probe, which the whole batch pays for. Its prompt would
+        be drafted over for nothing, and its chunks need not stop short for the drafter."""
         if self.adaptive is None or self._forced_k is not None or not self.drafter.needs_hidden:
             return False
         bucket = bucket_for(num_rows, self.config.batch_buckets)
@@ -542,6 +544,10 @@ class Engine:
             new_tokens = r.max_new_tokens - len(r.output_token_ids)
             if self.adaptive.drafting_pays_for(bucket, len(r.token_ids), new_tokens):
                 return False
+            if self.adaptive.best_k(bucket, 1 / bucket) == 0:
+                # drafting alone among plain rows it would only lag until the probe, which the whole
+                # batch pays for; where the rows draft together, admission decides, not probes
+                return True
         return not self._probe_soon(bucket) or any(not other.drafting_off for other in self.running)
 
     def _draft(self, spans: list[DraftSpan], num_rows: int) -> None:
