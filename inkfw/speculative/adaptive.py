@@ -48,10 +48,10 @@ pick the k in 0..max_k that maximises expected tokens per second.
   observed again, and no probe could run). The pass is priced at the larger of the bucket's
   and batch 1's ``prompt_s``: continuous batching mostly admits one request at a time, and a
   prompt drafted alone cost about twice per position what warm-up's four prompts side by side
-  did (0.25-0.30 against 0.15 ms at batch 4, compiled). Without the price, compiled auto at batch 4 drafted every
-  HumanEval request at k = 8, whose steps save 0.4-0.55 ms per token: 64 new tokens did not
-  earn back a 130-position pass, and the run went at 0.78x plain; with it, 1.03-1.07x
-  (BENCHMARKS.md, "Eleventh session").
+  did (0.25-0.30 against 0.15 ms at batch 4, compiled). Without the price, compiled auto at
+  batch 4 drafted every HumanEval request at k = 8, whose steps save 0.4-0.55 ms per token: 64
+  new tokens did not earn back a 130-position pass, and the run went at 0.78x plain; with it,
+  1.03-1.07x (BENCHMARKS.md, "Eleventh session").
 * **Probing.** Positions beyond the chosen k are never observed, so their estimates go stale.
   Some steps of a bucket (:meth:`AdaptiveK.choose` calls, and :meth:`AdaptiveK.plain_step`
   calls for steps in which no request drafted) choose max_k instead (a probe), so every
