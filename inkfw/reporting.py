@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -114,8 +114,15 @@ def run_metrics(engine, requests: Sequence[Request], wall_s: float, drafter: str
         "step_times": step_times_record(t),
         "forward_share": t.forward_s / total if total > 0 else 0.0,
         "warmup_s": float(engine.warmup_s),  # Engine.warmup: compile, capture, adaptive k's costs
-        "chosen_k": {str(k): n for k, n in sorted(engine.k_chosen.items())} if engine.adaptive is not None else None,
+        "chosen_k": counts_json(engine.k_chosen) if engine.adaptive is not None else None,
+        # MTP depths each admitted request drafted with (0: plainly), where adaptive k chose them
+        "depths_admitted": counts_json(engine.depths_admitted) if engine.adaptive is not None else None,
     }
+
+
+def counts_json(counter: Mapping[int, int]) -> dict[str, int]:
+    """A counter as JSON: string keys, in order of the keys."""
+    return {str(k): n for k, n in sorted(counter.items())}
 
 
 # ============================================================================ renderings
@@ -194,6 +201,8 @@ def infer_table(metrics: dict[str, Any], model: str, title: str = "inkfw infer")
     table.add_row("forward share", f"{100 * m['forward_share']:.0f}%")
     if m.get("chosen_k") is not None:  # spec.num_tokens=auto
         table.add_row("k chosen (rounds)", " ".join(f"{k}:{n}" for k, n in m["chosen_k"].items()) or "-")
+    if m.get("depths_admitted"):
+        table.add_row("depths (requests)", " ".join(f"{d}:{n}" for d, n in m["depths_admitted"].items()))
     if m.get("warmup_s"):
         table.add_row("warm-up (not in tokens/s)", f"{m['warmup_s']:.1f} s")
     return table

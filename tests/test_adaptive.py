@@ -203,6 +203,43 @@ def test_a_request_drafts_only_where_its_tokens_can_earn_back_the_prompt_pass():
         adaptive.set_costs(1, [1.0, 1.2, 1.4], prompt_s=-1.0)
 
 
+def test_a_request_keeps_the_depths_whose_drafts_pay_for_their_prompt_pass():
+    """k_max = P = 4, E = 1, 1.7, 2.19, 2.533, 2.773 (prior 0.7), steps at 1.0 .. 1.8 plain steps:
+    a token costs 0.706, 0.639, 0.632, 0.649 plain steps at k = 1..4, so 10 new tokens save most
+    at k = 3, which 3 depths reach as well as 4 (ties: the fewer). A 100-position prompt's pass
+    over all 4 depths costs 100 * prompt_s, over m depths m / 4 of that: at 0.1 plain steps
+    m = 3 still wins (3.608 against 3.583 for m = 4), at 1 m = 2 (3.107 against 2.933), at 10
+    m = 1 (0.44; m = 2 loses 1.39). Without measured costs (the fallback model, 1 + 0.1 k,
+    no pass price) the largest k saves most: all 4 depths."""
+    adaptive = AdaptiveK(max_k=4, prior_acceptance=0.7, probe_every=0, confidence=0.0)
+    assert adaptive.depths_for(1, 100, 10, 4) == 4  # fallback model
+    steps = [1.0, 1.2, 1.4, 1.6, 1.8]
+    for prompt_s, depths in ((0.0, 3), (0.001, 3), (0.01, 2), (0.1, 1)):
+        adaptive.set_costs(1, steps, prompt_s=prompt_s)
+        assert adaptive.depths_for(1, 100, 10, 4) == depths, prompt_s
+    adaptive.set_costs(1, [1.0, 1.2, 1.4, 1.6, 1.75])  # k = 4 now just cheapest per token: 0.6311 < 0.6317
+    assert adaptive.depths_for(1, 100, 10, 4) == 4
+    adaptive.set_costs(1, [1.0, 1.2, 1.4, 1.6, 1.75], prompt_s=0.001)  # the fourth depth's pass tips it
+    assert adaptive.depths_for(1, 100, 10, 4) == 3
+    # a shallow step owes its catch-up of the depths it skips within the request's m: with k = 2 best
+    # inside m = 3 or 4 (k = 3, 4 cost 1.9, 2.0), m = 2 drafts k = 2 with no catch-up at all
+    adaptive.set_costs(1, [1.0, 1.2, 1.4, 1.9, 2.0], [0.0, 0.05, 0.05, 0.05, 0.0])
+    assert adaptive.depths_for(1, 100, 10, 4) == 2
+
+
+def test_a_due_probe_waits_for_a_row_with_every_depth():
+    """``choose(probe=False)``: no row of the round keeps every depth, so a due probe is not spent
+    on rows that could not draft k_max; it stays due and runs at the next round that can."""
+    adaptive = AdaptiveK(max_k=3, prior_acceptance=0.7, probe_every=3, probe_budget=0.0, max_backoff=0)
+    adaptive.set_costs(1, [1.0, 1.1, 1.5, 2.0])
+    best = adaptive.best_k(1)
+    assert best == 1
+    assert [adaptive.choose(1) for _ in range(2)] == [best, best] and adaptive.steps_to_probe(1) == 1
+    assert [adaptive.choose(1, probe=False) for _ in range(3)] == [best] * 3 and adaptive.probes == 0
+    assert adaptive.steps_to_probe(1) <= 0  # still due
+    assert adaptive.choose(1) == 3 and adaptive.probes == 1 and adaptive.steps_to_probe(1) == 3
+
+
 def test_the_saving_is_priced_optimistically():
     """The saving is priced with every estimate at its upper bound, as whether to draft at all
     is decided: estimates that choose k = 0 but bounds that draft price a saving, and with

@@ -153,7 +153,7 @@ def test_block_registered_only_when_final(model):
 
 def test_target_blocks_register_past_the_draft_ones(model):
     """A request whose drafter stopped early (``num_final_draft`` < ``num_final``) registers its
-    target blocks beyond its draft ones: a request that decodes plainly (``draft=False``) reuses
+    target blocks beyond its draft ones: a request that decodes plainly (``draft_depths=0``) reuses
     them and takes no draft-group blocks, a drafting request hits only where every group is
     cached, and draft blocks join when the drafter's positions become final."""
     kv = _kv(model, lookahead=2)
@@ -164,13 +164,33 @@ def test_target_blocks_register_past_the_draft_ones(model):
     assert kv.ensure("a", 16, 16)
     kv.finalize("a", tokens, 16, num_final_draft=4)
     assert _cached_blocks(kv) == [1 if d else 4 for d in draft]
-    assert kv.add("plain", tokens, draft=False) == 16
+    assert kv.add("plain", tokens, draft_depths=0) == 16
     assert kv.held_blocks("plain") == [0 if d else n for n, d in zip(_hit_blocks(kv, 16), draft)]
     assert kv.add("drafting", tokens) == 4
     kv.finalize("a", tokens, 16, num_final_draft=12)
     assert _cached_blocks(kv) == [3 if d else 4 for d in draft]
     assert kv.add("drafting later", tokens) == 12
     for r in ("a", "plain", "drafting", "drafting later"):
+        kv.free(r)
+    assert kv.is_whole()
+
+
+def test_a_request_with_fewer_draft_depths_holds_and_needs_only_theirs(model):
+    """``draft_depths=1`` (adaptive k admitted the request to draft with depth 0 only): it gets
+    no blocks in depth 1's groups, its prefix hits need the target's and depth 0's groups only,
+    and what it registers serves requests with as few depths, not those that draft with all."""
+    kv = _kv(model, lookahead=2, depths=2)
+    depth_of = {g: d for d, pair in enumerate(kv.draft_layout) for g in pair}
+    tokens = list(range(10, 30))
+    kv.add("one", tokens, draft_depths=1)
+    assert kv.ensure("one", 16, 18)
+    held = kv.held_blocks("one")
+    assert [h > 0 for h in held] == [depth_of.get(g, 0) == 0 for g in range(len(kv.groups))]
+    kv.finalize("one", tokens, 16)
+    assert kv.add("all depths", tokens) == 0  # depth 1's groups hold nothing of it
+    assert kv.add("depth 0", tokens, draft_depths=1) == 16
+    assert kv.held_blocks("depth 0") == [0 if depth_of.get(g, 0) > 0 else n for g, n in enumerate(_hit_blocks(kv, 16))]
+    for r in ("one", "all depths", "depth 0"):
         kv.free(r)
     assert kv.is_whole()
 
@@ -318,9 +338,9 @@ def test_prefix_cache_hit_reuses_blocks(model, monkeypatch):
     hits = []
     add = kv.add
 
-    def spy(rid, tokens, draft=True):
+    def spy(rid, tokens, draft_depths=None):
         free = kv.num_free_blocks()
-        h = add(rid, tokens, draft)
+        h = add(rid, tokens, draft_depths)
         hits.append((h, kv.held_blocks(rid), [a - b for a, b in zip(free, kv.num_free_blocks())]))
         return h
 
@@ -349,7 +369,7 @@ def test_prefix_hash_covers_lookahead(model, with_mtp):
     eng, kv = make_engine(model, mtp(3, 3) if with_mtp else NO_DRAFTER)
     hits = []
     add = kv.add
-    kv.add = lambda rid, tokens, draft=True: hits.append(add(rid, tokens, draft)) or hits[-1]
+    kv.add = lambda rid, tokens, draft_depths=None: hits.append(add(rid, tokens, draft_depths)) or hits[-1]
     ra = eng.add_request(a, max_new_tokens=8)
     eng.generate([ra])
     rb = eng.add_request(b, max_new_tokens=8)
@@ -415,7 +435,10 @@ def test_random_operations_keep_books(kv_model, data, lookahead, bs):
     tokens: dict[int, list[int]] = {}
     computed: dict[int, int] = {}  # positions with blocks in every group (what may be finalized)
     trimmed: dict[int, int] = {}
-    registered: list[tuple[list[int], int, int]] = []  # (tokens, target and draft positions finalized) per finalize
+    # (tokens, target and draft positions finalized, the request's draft depths) per finalize
+    registered: list[tuple[list[int], int, int, int | None]] = []
+    depths_of: dict[int, int | None] = {}
+    depth_of = {g: d for d, pair in enumerate(kv.draft_layout) for g in pair}
     next_id = 0
     for _ in range(data.draw(st.integers(5, 40), label="ops")):
         ops = ["add"] + (["grow"] * 3 + ["finalize"] * 2 + ["trim"] + ["free"] * 2 if tokens else [])
@@ -424,15 +447,18 @@ def test_random_operations_keep_books(kv_model, data, lookahead, bs):
             n = data.draw(st.integers(1, len(base)), label="shared")
             toks = base[:n] + data.draw(st.lists(st.integers(0, 9), max_size=6), label="tail")
             rid, next_id = next_id, next_id + 1
-            drafts = data.draw(st.booleans(), label="drafts")
-            h = kv.add(rid, toks, draft=drafts)
+            depths = data.draw(st.sampled_from([0, 1, None]), label="draft depths")  # None: both
+            h = kv.add(rid, toks, draft_depths=depths)
             assert h % bs == 0 and 0 <= h <= len(toks) - 1 and h <= max(0, len(toks) - lookahead)
-            if h:  # only content someone registered, lookahead tokens included (in the draft groups too)
+            if h:  # only content someone registered, lookahead tokens included (in the draft groups it needs)
                 assert any(
-                    t[: h + lookahead] == toks[: h + lookahead] and (fd if drafts else f) >= h
-                    for t, f, fd in registered
+                    t[: h + lookahead] == toks[: h + lookahead]
+                    and (f if depths == 0 else fd) >= h
+                    and (depths is None) <= (m is None)  # all depths: registered by a request with all
+                    and (depths == 0) <= (m != 0)
+                    for t, f, fd, m in registered
                 )
-            tokens[rid], computed[rid], trimmed[rid] = toks, h, 0
+            tokens[rid], computed[rid], trimmed[rid], depths_of[rid] = toks, h, 0, depths
         else:
             rid = data.draw(st.sampled_from(sorted(tokens)), label="rid")
             if op == "grow":
@@ -446,7 +472,12 @@ def test_random_operations_keep_books(kv_model, data, lookahead, bs):
                 kv.finalize(rid, tokens[rid], num_final, num_final_draft)
                 last = len(tokens[rid]) - lookahead
                 registered.append(
-                    (list(tokens[rid]), min(num_final, last) // bs * bs, min(num_final_draft, last) // bs * bs)
+                    (
+                        list(tokens[rid]),
+                        min(num_final, last) // bs * bs,
+                        min(num_final_draft, last) // bs * bs,
+                        depths_of[rid],
+                    )
                 )
             elif op == "trim":
                 trimmed[rid] = data.draw(st.integers(trimmed[rid], max(trimmed[rid], computed[rid])), label="q")
@@ -455,6 +486,9 @@ def test_random_operations_keep_books(kv_model, data, lookahead, bs):
                 kv.free(rid)
                 del tokens[rid], computed[rid], trimmed[rid]
         _check_books(kv, tokens)
+        for rid in tokens:  # no blocks in the groups of depths a request does not draft with
+            m = depths_of[rid]
+            assert all(n == 0 for g, n in enumerate(kv.held_blocks(rid)) if m is not None and depth_of.get(g, -1) >= m)
     for rid in list(tokens):
         kv.free(rid)
     _check_books(kv, {})

@@ -131,6 +131,7 @@ def test_run_metrics_from_engine_state():
         warmup_s=1.5,
         adaptive=object(),  # spec.num_tokens=auto
         k_chosen=Counter({2: 3, 0: 1}),
+        depths_admitted=Counter({4: 1, 0: 2, 2: 1}),
     )
     reqs = [
         finished_request(0, [1], [2, 3, 4], 2, 8, 2, first_token=11.0),
@@ -154,8 +155,10 @@ def test_run_metrics_from_engine_state():
     }
     assert m["forward_share"] == pytest.approx(0.75)
     assert m["warmup_s"] == 1.5 and m["chosen_k"] == {"0": 1, "2": 3}
+    assert list(m["depths_admitted"].items()) == [("0", 2), ("2", 1), ("4", 1)]  # in order of depths
     json.dumps(m)  # plain data, ready for output.json
-    assert run_metrics(SimpleNamespace(**{**vars(engine), "adaptive": None}), reqs, 2.0, "mtp")["chosen_k"] is None
+    fixed = run_metrics(SimpleNamespace(**{**vars(engine), "adaptive": None}), reqs, 2.0, "mtp")
+    assert fixed["chosen_k"] is None and fixed["depths_admitted"] is None
     assert run_metrics(engine, [], wall_s=0.0, drafter="mtp")["tokens_per_s"] == 0.0
 
 
@@ -195,8 +198,10 @@ def test_infer_table_rows():
     assert "mean decode step" in text and "400.00 ms (8 steps)" in text  # (4.0 - 0.8) s over 9 - 1 steps
     assert "0.800 s (1 step)" in text
     assert "k chosen" not in text and "warm-up" not in text  # neither auto nor warmed up
-    text = rendered(infer_table({**m, "chosen_k": {"0": 3, "2": 5}, "warmup_s": 10.46}, "x"))
-    assert "0:3 2:5" in text and "10.5 s" in text
+    assert "depths (requests)" not in text
+    auto = {**m, "chosen_k": {"0": 3, "2": 5}, "depths_admitted": {"0": 1, "2": 6}, "warmup_s": 10.46}
+    text = rendered(infer_table(auto, "x"))
+    assert "0:3 2:5" in text and "10.5 s" in text and "depths (requests)" in text and "0:1 2:6" in text
     m_none = {
         **m,
         "drafter": "none",

@@ -683,7 +683,7 @@ def test_replayed_steps_overwrite_their_outputs_and_decode_exactly(model, monkey
         engine, kv = make_engine(model, drafter, check_drafts=False, max_num_seqs=batch)
         if drafter is RANDOM_K:
             rng = random.Random(batch)
-            engine._round_k = lambda bucket, share: rng.choice([1, 1, 2, 3, 4])  # type: ignore[method-assign]
+            engine._round_k = lambda bucket, share, probe: rng.choice([1, 1, 2, 3, 4])  # type: ignore[method-assign]
         for part in parts(engine) if graphs else ():
             part.set_step_mode(cuda_graphs=True)
         reqs = engine.generate([engine.add_request(p, max_new_tokens=20) for p in prompts])
@@ -842,6 +842,7 @@ def test_auto_k_draft_rounds_keep_one_shape_per_bucket_and_k(model, step_calls, 
     for bucket in (1, 2):
         adaptive.set_costs(bucket, [1.0, 1.0, 2.0])  # E(1) / 1 > E(2) / 2 and >= E(0): k = 1 unless probing
     adaptive.probe_every, adaptive.probe_budget, adaptive.max_backoff = 3, 0.0, 0
+    adaptive.depths_for = lambda *args: 2  # type: ignore[method-assign]  # every request keeps both depths
     reqs = [engine.add_request(p, max_new_tokens=new) for p in prompts]
     engine.generate(reqs)
     plain, _, _ = generate(model, NO_DRAFTER, prompts, new, check_drafts=False)
@@ -1008,6 +1009,59 @@ def test_auto_k_drafts_for_a_due_probe_where_the_prompt_pass_does_not_pay(model)
     assert outputs([first, second]) == outputs(plain)
 
 
+def test_auto_k_keeps_each_request_to_the_depths_that_pay(model):
+    """D = 3 and k = 1 best by far (steps at k >= 2 cost 3 plain steps), the prompt pass priced:
+    a request admitted to draft keeps depth 0 only (``AdaptiveK.depths_for``). Its rounds run that
+    depth alone and draft one token at most, it holds no blocks in the groups of depths 1 and 2,
+    its drafts equal the uncached reference (check_drafts) and its output plain decoding. A probe
+    that falls due while only such requests run waits (it could not draft k = 3 for them); the
+    next request admitted keeps every depth, since a probe is due within its steps and no running
+    request keeps them all, and the probe then drafts 3 for it: one such request is enough, so
+    the one admitted beside it keeps depth 0 only."""
+    engine, kv = make_engine(model, ["drafter=mtp", "mtp.depths=3", "spec.num_tokens=auto"], check_drafts=True)
+    adaptive = engine.adaptive
+    assert isinstance(adaptive, AdaptiveK)
+    for bucket in (1, 2):
+        adaptive.set_costs(bucket, [1.0, 1.1, 3.0, 3.0], prompt_s=0.001)
+    assert adaptive.best_k(1) == 1 and adaptive.depths_for(1, 10, 12, 3) == 1
+    adaptive.probe_every, adaptive.probe_budget, adaptive.max_backoff = 64, 0.0, 0
+    _, drafter = parts(engine)
+    rounds: list[tuple[int, int]] = []  # (k, depths run) of every drafting round
+    run_round = drafter.round
+
+    def counting(kv_, K, depths_run, chooser, *args):
+        rounds.append((K, depths_run))
+        return run_round(kv_, K, depths_run, chooser, *args)
+
+    drafter.round = counting  # type: ignore[method-assign]
+    depth_groups = [g for d in (1, 2) for g in kv.draft_layout[d]]
+    prompts = prompts_of(68, 3, lo=10, hi=12)
+    first = engine.add_request(prompts[0], max_new_tokens=12)
+    engine.step()
+    adaptive._next_probe[1] = adaptive.steps[1] + 1  # a probe falls due while it runs
+    while not first.finished:
+        assert all(kv.held_blocks(first.id)[g] == 0 for g in depth_groups)
+        engine.step()
+    assert first.draft_depths == 1 and engine.depths_admitted == {1: 1}
+    assert rounds and all(r == (1, 1) for r in rounds) and 0 < first.num_draft_tokens <= first.num_verify_steps
+    assert adaptive.probes == 0 and adaptive.steps_to_probe(1) <= 0  # still due
+    rounds.clear()
+    second = engine.add_request(prompts[1], max_new_tokens=12)
+    engine.step()  # its prompt's round is the probe
+    assert second.draft_depths is None and adaptive.probes == 1 and rounds == [(3, 3)]
+    adaptive._next_probe[2] = adaptive.steps[2] + 1  # due at batch 2 as well
+    third = engine.add_request(prompts[2], max_new_tokens=12)
+    engine.step()  # the probe: k = 3 for the second, 1 for the third, in rounds of their own
+    assert third.draft_depths == 1 and adaptive.probes == 2 and rounds[-2:] == [(3, 3), (1, 1)]
+    engine.generate([second, third])
+    assert all(r == (1, 1) or r[1] == 3 for r in rounds)
+    assert third.num_draft_tokens <= third.num_verify_steps  # one draft a step at most
+    assert engine.depths_admitted == {1: 2, 3: 1}
+    plain, _, _ = generate(model, NO_DRAFTER, prompts[:3], 12, check_drafts=False)
+    assert outputs([first, second, third]) == outputs(plain)
+    assert kv.is_whole()
+
+
 def test_auto_k_admits_plainly_where_one_drafting_row_could_not_pay(model):
     """Bucket 4 where k = 2 pays when every row drafts (E(2) = 2.19 at 1.6 plain steps) but even
     one row drafting every token right could not (1 + 3/4 tokens at 1.9 plain steps), and no
@@ -1150,7 +1204,8 @@ def test_shallow_rounds_defer_deeper_depths_exactly(model, defer_limit):
     drafter = parts(engine)[1]
     assert drafter.lookahead == 4 and drafter.defer_limit == defer_limit
     rng = random.Random(defer_limit)
-    engine._round_k = lambda bucket, share: rng.choice([0, 1, 1, 2, 2, 3, 4])  # type: ignore[method-assign]
+    engine._round_k = lambda bucket, share, probe: rng.choice([0, 1, 1, 2, 2, 3, 4])  # type: ignore[method-assign]
+    engine._admission_depths = lambda r, rows: None  # type: ignore[method-assign]  # every request keeps all 4
     rounds = []  # per drafting round: (k, depths run, rows caught up, rows re-spanned by a shallow round)
     propose, run_round = drafter.propose, drafter.round
 

@@ -95,6 +95,7 @@ from inkfw.reporting import (
     bench_markdown,
     bench_plot,
     bench_table,
+    counts_json,
     kernel_table,
     overhead_plot,
     overhead_table,
@@ -216,6 +217,7 @@ class Case:
     timings: dict[str, CaseTiming] = field(default_factory=dict)
     profilers: dict[str, ProfilerPause] = field(default_factory=dict)
     chosen_k: dict[str, Counter[int]] = field(default_factory=dict)  # auto: k -> engine steps, per set
+    depths_admitted: dict[str, Counter[int]] = field(default_factory=dict)  # auto: depths -> requests, per set
 
     @property
     def warmup_s(self) -> float:
@@ -294,6 +296,7 @@ def _measure(case: Case, prompt_set: str, prompts: list[list[int]], max_new_toke
     case.forwards.reset()
     adaptive = engine.adaptive  # spec.num_tokens=auto
     chosen_before = Counter(adaptive.chosen) if adaptive is not None else Counter()
+    depths_before = Counter(engine.depths_admitted)
     timer = CacheTimer()
     with (
         count_host_reads() as reads,
@@ -315,6 +318,8 @@ def _measure(case: Case, prompt_set: str, prompts: list[list[int]], max_new_toke
     if adaptive is not None:
         chosen = case.chosen_k.setdefault(prompt_set, Counter())
         chosen.update(Counter(adaptive.chosen) - chosen_before)
+        admitted = case.depths_admitted.setdefault(prompt_set, Counter())
+        admitted.update(Counter(engine.depths_admitted) - depths_before)
     return wall, outs
 
 
@@ -347,7 +352,7 @@ def _hf_row(run: BenchRun, prompt_set: str, timing: HfTiming) -> dict[str, Any]:
 def _inkfw_row(case: Case, prompt_set: str) -> dict[str, Any]:
     engine = case.engine
     row = case.timing(prompt_set).result(engine.kv.nbytes)
-    chosen = case.chosen_k.get(prompt_set)
+    chosen, admitted = case.chosen_k.get(prompt_set), case.depths_admitted.get(prompt_set)
     row.update(
         {
             "system": "inkfw",
@@ -356,7 +361,8 @@ def _inkfw_row(case: Case, prompt_set: str) -> dict[str, Any]:
             "mode": case.run.mode,
             "num_tokens": case.run.num_tokens,
             "warmup_s": case.warmup_s,
-            "chosen_k": {str(k): n for k, n in sorted(chosen.items())} if chosen is not None else None,
+            "chosen_k": counts_json(chosen) if chosen is not None else None,
+            "depths_admitted": counts_json(admitted) if admitted is not None else None,
             "adaptive": engine.adaptive.summary() if engine.adaptive is not None else None,
         }
     )

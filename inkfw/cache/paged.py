@@ -22,7 +22,8 @@ Rules from the design (§3):
   its positions and the ``lookahead`` tokens after it are committed (``num_final`` below; draft
   groups may stop earlier, ``num_final_draft``), and the block's hash covers those lookahead
   tokens, because MTP depth ``s`` at position ``t`` reads tokens up to ``t + s + 1``. A lookup
-  needs every group, or the target groups only for a request that decodes plainly. Freed blocks
+  needs every group a request holds: the target groups, and the groups of the MTP depths it drafts
+  with (none for a request that decodes plainly). Freed blocks
   stay findable until evicted (LRU);
 * windowed groups (sliding attention, conv state) free blocks no future query can read, but
   keep ``lookahead - 1`` extra positions for the drafter's re-prefill;
@@ -405,12 +406,17 @@ class PagedKVManager:
         self.draft_layout: list[tuple[int, int]] = []
         for d, depth in enumerate(list(model.mtp.depths)[:num_draft_depths] if num_draft_depths else []):
             self.draft_layout.append(add_layers(f"draft/{d}", depth.block.attn.window, [depth.block], draft=True))
+        self._group_depth: list[int | None] = [None] * len(self.groups)  # MTP depth of each draft group
+        for d, pair in enumerate(self.draft_layout):
+            for gi in pair:
+                self._group_depth[gi] = d
         self.device = device
         self._tables: dict[Hashable, list[list[int]]] = {}
         self._fresh_blocks: dict[int, list[int]] = {}  # group -> blocks allocated, tags not yet cleared
         self._tags_by_block = [g.slot_pos.view(-1, bs) for g in self.groups]
         self._hashes: dict[Hashable, list[bytes]] = {}  # block hashes of the registered blocks, in order
         self._num_draft_registered: dict[Hashable, int] = {}  # of those, blocks registered in draft groups
+        self._draft_depths: dict[Hashable, int | None] = {}  # depths whose groups a request holds (None: all)
 
     # ------------------------------------------------------------------ queries
     def num_free_blocks(self) -> list[int]:
@@ -439,6 +445,12 @@ class PagedKVManager:
     def draft_groups(self) -> list[int]:
         return [i for i, g in enumerate(self.groups) if g.draft]
 
+    def _holds(self, rid: Hashable) -> list[bool]:
+        """Per group, whether ``rid`` holds blocks in it: every target group, and the groups of the
+        MTP depths below its ``draft_depths`` (:meth:`add`)."""
+        m = self._draft_depths.get(rid)
+        return [d is None or m is None or d < m for d in self._group_depth]
+
     def _needed_from(self, group: CacheGroup, first_query: int) -> int:
         """First position a query at ``first_query`` or later can read in ``group``."""
         return 0 if group.window is None else max(0, first_query - group.window + 1)
@@ -453,19 +465,21 @@ class PagedKVManager:
             out.append(parent)
         return out
 
-    def add(self, rid: Hashable, tokens: Sequence[int], draft: bool = True) -> int:
+    def add(self, rid: Hashable, tokens: Sequence[int], draft_depths: int | None = None) -> int:
         """Start request ``rid`` with committed ``tokens``; returns how many leading positions
         are already cached (a multiple of the block size, leaving >= 1 token to compute).
-        ``draft=False``: ``rid`` decodes plainly, so a prefix hit needs the target groups only
-        and ``rid`` gets no draft-group blocks."""
+        ``draft_depths``: the MTP depths ``0 .. draft_depths - 1`` whose groups ``rid`` holds
+        (None: every depth; 0: it decodes plainly). A prefix hit needs the target groups and
+        those; ``rid`` gets no blocks in the others."""
         assert rid not in self._tables, f"request {rid} added twice"
         tables = [[] for _ in self.groups]
         self._tables[rid] = tables
         self._hashes[rid] = []
         self._num_draft_registered[rid] = 0
+        self._draft_depths[rid] = draft_depths
         if not self.enable_prefix_caching:
             return 0
-        wanted = [draft or not g.draft for g in self.groups]  # groups a hit needs and fills
+        wanted = self._holds(rid)  # groups a hit needs and fills
         bs = self.block_size
         candidates = (len(tokens) - self.lookahead) // bs  # blocks whose lookahead is committed
         if len(tokens) - candidates * bs < 1:
@@ -490,14 +504,16 @@ class PagedKVManager:
                 table.extend([-1] * first)
                 table.extend(g.pool.acquire_cached(hashes[i]) for i in range(first, j))
         self._hashes[rid] = hashes[:j]
-        self._num_draft_registered[rid] = j if draft else 0
+        self._num_draft_registered[rid] = j if draft_depths != 0 else 0
         return h
 
     def ensure(self, rid: Hashable, target_end: int, draft_end: int) -> bool:
         """Give ``rid`` blocks for target positions < ``target_end`` and draft positions <
         ``draft_end``. False when a pool ran out (what was allocated stays with ``rid``)."""
         bs = self.block_size
-        for gi, (g, table) in enumerate(zip(self.groups, self._tables[rid])):
+        for gi, (g, table, held) in enumerate(zip(self.groups, self._tables[rid], self._holds(rid))):
+            if not held:
+                continue
             need = _cdiv(draft_end if g.draft else target_end, bs)
             while len(table) < need:
                 block = g.pool.allocate()
@@ -528,6 +544,7 @@ class PagedKVManager:
                     g.pool.release(block)
         self._hashes.pop(rid, None)
         self._num_draft_registered.pop(rid, None)
+        self._draft_depths.pop(rid, None)
 
     def finalize(
         self, rid: Hashable, tokens: Sequence[int], num_final: int, num_final_draft: int | None = None

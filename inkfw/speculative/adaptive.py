@@ -52,6 +52,16 @@ pick the k in 0..max_k that maximises expected tokens per second.
   batch 4 drafted every HumanEval request at k = 8, whose steps save 0.4-0.55 ms per token: 64
   new tokens did not earn back a 130-position pass, and the run went at 0.78x plain; with it,
   1.03-1.07x (BENCHMARKS.md, "Eleventh session").
+* **Depths per request.** A request admitted to draft keeps only depths ``0 .. m - 1``
+  (:meth:`AdaptiveK.depths_for`, by the estimates): it then drafts at most ``m`` tokens a step,
+  its prompt pass runs ``m`` depths (``m / P`` of the whole pass) and nothing deeper ever
+  catches up over its positions. ``m`` maximises what its ``new_tokens`` save at the best
+  ``k <= m`` less that pass. Fixed k = 2 ran 5-12 % ahead of ``auto`` at batch 1, compiled, where
+  auto kept all 8 depths and paid their pass over each prompt, or their catch-up, for steps that
+  chose k = 2-4 (BENCHMARKS.md, "Fifteenth session"). A probe drafts ``max_k`` for rows that keep
+  every depth only; where none does, a due probe waits (``choose(probe=False)``), and the
+  engine admits a request with every depth when a probe falls due within its expected steps
+  and no running request keeps them all.
 * **Probing.** Positions beyond the chosen k are never observed, so their estimates go stale.
   Some steps of a bucket (:meth:`AdaptiveK.choose` calls, and :meth:`AdaptiveK.plain_step`
   calls for steps in which no request drafted) choose max_k instead (a probe), so every
@@ -281,12 +291,17 @@ class AdaptiveK:
         catch-up its ``E(k)`` emitted tokens cost later (:meth:`set_costs`, measured with the same
         bucket's step costs)."""
         step_s = self.step_costs(bucket)
-        measured = self._measured_bucket(bucket)
-        later = None if measured is None else self.catch_up.get(measured)  # costs set without set_costs: none
+        later = self._catch_up_of(bucket)
         if later is None:
             return step_s
         expected = self.expected_tokens_all() if expected is None else expected
         return [s + e * c for s, e, c in zip(step_s, expected, later)]
+
+    def _catch_up_of(self, bucket: int) -> list[float] | None:
+        """Catch-up seconds per emitted token at k = 0..max_k measured with ``bucket``'s step
+        costs (:meth:`set_costs`); None where none were measured."""
+        measured = self._measured_bucket(bucket)
+        return None if measured is None else self.catch_up.get(measured)  # costs set without set_costs: none
 
     def best_k_at(self, bucket: int, confidence: float = 0.0, share: float = 1.0) -> int:
         """The k maximising expected tokens/s at ``bucket`` now with every estimate at its upper
@@ -329,14 +344,15 @@ class AdaptiveK:
         draft (the others were admitted plainly)."""
         return self.best_k_at(bucket, 0.0, share) or self.best_k_at(bucket, self.confidence, share)
 
-    def choose(self, bucket: int, share: float = 1.0) -> int:
+    def choose(self, bucket: int, share: float = 1.0, probe: bool = True) -> int:
         """k for this engine step at ``bucket`` where a ``share`` of the rows draft:
-        :meth:`best_k`, or max_k on a probe step."""
+        :meth:`best_k`, or max_k on a probe step. ``probe=False``: no row could draft max_k (each
+        keeps fewer depths, :meth:`depths_for`), so a probe that is due stays due."""
         best = self.best_k(bucket, share)
         due = self._due(bucket, best) if self._probes(bucket) else math.inf  # scheduled before this step
         self.steps[bucket] += 1
         k = best
-        if self.steps[bucket] >= due:
+        if self.steps[bucket] >= due and probe:
             self.probes += 1
             k = self.max_k
             settled = self._probe_best.get(bucket) == best and self.best_k_at(bucket, self.confidence, share) == best
@@ -389,13 +405,42 @@ class AdaptiveK:
         ``new_tokens * saving_per_token > prompt_positions * prompt_s`` (module doc), the pass
         priced at the larger of the bucket's and batch 1's measured ``prompt_s``. Where the pass
         was not measured, whether the best k drafts at all."""
-        measured = self._measured_bucket(bucket)
-        # a prompt is mostly drafted over alone (continuous batching admits one request as another
-        # finishes), at batch 1's price per position where that was measured: about twice batch 4's
-        prompt_s = 0.0 if measured is None else max(self.prompt_s.get(measured, 0.0), self.prompt_s.get(1, 0.0))
+        prompt_s = self._prompt_price(bucket)
         if prompt_s <= 0.0:
             return self.best_k(bucket) != 0
         return new_tokens * self.saving_per_token(bucket) > prompt_positions * prompt_s
+
+    def _prompt_price(self, bucket: int) -> float:
+        """Seconds of the drafter's pass (every depth) per prompt position of a request admitted at
+        ``bucket``: the larger of the bucket's and batch 1's measured ``prompt_s`` (0: none)."""
+        measured = self._measured_bucket(bucket)
+        # a prompt is mostly drafted over alone (continuous batching admits one request as another
+        # finishes), at batch 1's price per position where that was measured: about twice batch 4's
+        return 0.0 if measured is None else max(self.prompt_s.get(measured, 0.0), self.prompt_s.get(1, 0.0))
+
+    def depths_for(self, bucket: int, prompt_positions: int, new_tokens: int, depths: int) -> int:
+        """How many of the drafter's ``depths`` (P) a request admitted to draft at ``bucket`` should
+        keep, by the estimates: the ``m`` in 1..P of the largest ``new_tokens * saving(m) -
+        prompt_positions * prompt_s * m / P`` (ties: the fewer). A request kept to ``m`` depths drafts
+        at most ``m`` tokens a step, and its drafter passes over its prompt with ``m`` depths only,
+        so that pass costs ``m / P`` of the whole one. ``saving(m)``: one row's share of ``step_s[0] /
+        E(0) - min_{k <= m} cost_m(k) / E(k)``, where a step at ``k < m`` still owes the catch-up of
+        depths ``k .. m - 1`` (``(m - k) / (P - k)`` of the measured catch-up, which runs ``P - k``)
+        and one at ``k = m`` owes none: the request has no deeper depths to catch up (module doc)."""
+        expected = self.expected_tokens_all()
+        step_s = self.step_costs(bucket)
+        later = self._catch_up_of(bucket) or [0.0] * len(step_s)
+        rows = self._measured_bucket(bucket) or bucket  # the batch the costs were measured at
+        pass_s = prompt_positions * self._prompt_price(bucket)
+
+        def value(m: int) -> float:
+            per_token = min(
+                (step_s[k] + (expected[k] * later[k] * (m - k) / (depths - k) if k < m else 0.0)) / expected[k]
+                for k in range(min(m, self.max_k) + 1)
+            )
+            return new_tokens * (step_s[0] - per_token) / rows - pass_s * m / depths
+
+        return max(range(1, depths + 1), key=lambda m: (value(m), -m))
 
     def probe_interval(self, bucket: int, best: int) -> int:
         """Steps from a probe at best k ``best`` to the next probe (module doc)."""

@@ -120,6 +120,7 @@ class Request:
     lag: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # (hidden rows, count) not drafted over
     lag_start: int | None = None  # first position of the lag (adaptive k chose 0 for those steps)
     drafting_off: bool = False  # adaptive k stopped its drafting (docs/design.md §6): plain from lag_start on
+    draft_depths: int | None = None  # MTP depths it drafts with, set at admission (None: all; 0: none)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -229,6 +230,7 @@ class Engine:
         self._step_compile_in_warmup_s = 0.0  # the step functions' compile / capture seconds within them
         self._forced_k: int | None = None  # warm-up: every round drafts this many
         self.k_chosen: collections.Counter[int] = collections.Counter()  # k of each drafting round
+        self.depths_admitted: collections.Counter[int] = collections.Counter()  # depths -> requests admitted
 
     # ------------------------------------------------------------------ observers
     def add_observer(self, observer: EngineObserver) -> None:
@@ -330,9 +332,10 @@ class Engine:
         if self.has_unfinished():
             raise RuntimeError("Engine.warmup needs an idle engine (no waiting or running requests).")
         t0, compile_s = time.perf_counter(), self.step_compile_s
-        saved = self.metrics, self.times, self.k_chosen, self.eos_ids
+        saved = self.metrics, self.times, self.k_chosen, self.depths_admitted, self.eos_ids
         self.eos_ids = set()  # run every throwaway request to its length
-        self.metrics, self.times, self.k_chosen = SpecMetrics(), StepTimes(), collections.Counter()
+        self.metrics, self.times = SpecMetrics(), StepTimes()
+        self.k_chosen, self.depths_admitted = collections.Counter(), collections.Counter()
         gen = torch.Generator().manual_seed(0)
         try:
             k_max = self.drafter.num_tokens
@@ -362,7 +365,7 @@ class Engine:
                     self.adaptive.set_costs(bucket, [measured.get(k, fastest[k]) for k in ks], shallow, prompt_s)
         finally:
             self._forced_k = None
-            self.metrics, self.times, self.k_chosen, self.eos_ids = saved
+            self.metrics, self.times, self.k_chosen, self.depths_admitted, self.eos_ids = saved
         seconds = time.perf_counter() - t0
         self._warmup_wall_s += seconds
         self._step_compile_in_warmup_s += self.step_compile_s - compile_s
@@ -510,14 +513,15 @@ class Engine:
             obs.on_step_end(self, finished)
         return finished
 
-    def _round_k(self, bucket: int, share: float) -> int:
+    def _round_k(self, bucket: int, share: float, probe: bool = True) -> int:
         """k of this drafting round: the drafter's, or adaptive k's choice for the batch bucket
-        where a ``share`` of the rows draft (the others decode plainly)."""
+        where a ``share`` of the rows draft (the others decode plainly); ``probe``: whether a row
+        keeps every depth, as a probe needs."""
         if self._forced_k is not None:
             return self._forced_k
         if self.adaptive is None:
             return self.drafter.num_tokens
-        return self.adaptive.choose(bucket, share)
+        return self.adaptive.choose(bucket, share, probe)
 
     def _probe_soon(self, bucket: int) -> bool:
         """Whether adaptive k probes ``bucket`` before a lag started now could outgrow
@@ -550,6 +554,26 @@ class Engine:
                 return True
         return not self._probe_soon(bucket) or any(not other.drafting_off for other in self.running)
 
+    def _admission_depths(self, r: Request, num_rows: int) -> int | None:
+        """The MTP depths ``r``, admitted into a batch of ``num_rows``, drafts with for good
+        (docs/design.md §5, adaptive k): 0 where it decodes plainly (:meth:`_admits_plainly`), else
+        the ``m`` of :meth:`AdaptiveK.depths_for`, fewer than P where its prompt pass and steps
+        cost less so than they gain; None: every depth. A probe needs a row with every depth, so
+        where one falls due within ``r``'s expected steps and no running request keeps every
+        depth, ``r`` keeps them all."""
+        if self._admits_plainly(r, num_rows):
+            return 0
+        if self.adaptive is None or self._forced_k is not None or not self.drafter.needs_hidden:
+            return None
+        bucket = bucket_for(num_rows, self.config.batch_buckets)
+        new_tokens = r.max_new_tokens - len(r.output_token_ids)
+        steps = new_tokens / self.adaptive.expected_tokens(self.adaptive.best_k(bucket))
+        if self.adaptive.steps_to_probe(bucket) <= steps and not any(_keeps_every_depth(o) for o in self.running):
+            return None
+        P = self.drafter.lookahead
+        depths = self.adaptive.depths_for(bucket, len(r.token_ids), new_tokens, P)
+        return None if depths >= P else depths
+
     def _draft(self, spans: list[DraftSpan], num_rows: int) -> None:
         """Propose the next drafts of ``spans`` into their requests' slots. With adaptive k at 0
         (docs/design.md §6), decode spans wait (the lag) and are drafted over with the next round
@@ -557,7 +581,8 @@ class Engine:
         comes with no probe due before its lag could fill, stops drafting for good. ``num_rows``:
         the step's batch (its verify rows), whose bucket adaptive k chooses for."""
         bucket = bucket_for(num_rows, self.config.batch_buckets)
-        k = self._round_k(bucket, len(spans) / num_rows)  # num_rows >= len(spans) (step())
+        probe = any(_keeps_every_depth(cast(Request, s.request)) for s in spans)
+        k = self._round_k(bucket, len(spans) / num_rows, probe)  # num_rows >= len(spans) (step())
         if k == 0 and self.drafter.needs_hidden:
             probe_soon = self._probe_soon(bucket)
             for s in spans:
@@ -584,15 +609,27 @@ class Engine:
             lagging = cast(Request, s.request).lag_start is not None
             (dynamic if lagging else static if s.num_accepted is not None else prompts).append(s)
         if static:
-            self._propose_into_slots(static, k, bucket_for(len(static), self.config.batch_buckets))
+            self._propose_into_slots(static, k, static=True)
         if prompts and getattr(self.drafter, "cuda_graphs", False):
-            self._propose_into_slots(prompts, k, bucket_for(len(prompts), self.config.batch_buckets))
+            self._propose_into_slots(prompts, k, static=True)
         elif prompts:
             dynamic = prompts + dynamic
         if dynamic:
-            self._propose_into_slots([_with_lag(s) for s in dynamic], k, None)
+            self._propose_into_slots([_with_lag(s) for s in dynamic], k, static=False)
 
-    def _propose_into_slots(self, spans: list[DraftSpan], k: int, pad_to: int | None) -> None:
+    def _propose_into_slots(self, spans: list[DraftSpan], k: int, static: bool) -> None:
+        """Drafting rounds over ``spans`` at ``k`` (at most a request's depths), one per number of
+        depths the requests keep (:meth:`_admission_depths`), their drafts written into the
+        requests' slots. ``static``: shapes padded to a batch bucket (compiled / graph-captured),
+        else eager, any span length."""
+        by_depths: dict[int | None, list[DraftSpan]] = {}
+        for s in spans:
+            by_depths.setdefault(cast(Request, s.request).draft_depths, []).append(s)
+        for group in by_depths.values():
+            pad_to = bucket_for(len(group), self.config.batch_buckets) if static else None
+            self._propose_round(group, k, pad_to)
+
+    def _propose_round(self, spans: list[DraftSpan], k: int, pad_to: int | None) -> None:
         """One drafting round over ``spans`` at ``k`` (static shapes padded to ``pad_to`` rows, or
         None: eager, any span length), its drafts written into the requests' slots."""
         proposed = self.drafter.propose(
@@ -679,13 +716,18 @@ class Engine:
         ):
             r = self.waiting[0]
             # the batch it will decode in: the running requests and every waiting one that fits
-            plainly = self._admits_plainly(r, min(self.config.max_num_seqs, len(self.running) + len(self.waiting)))
-            r.num_computed = self.kv.add(r.id, r.token_ids, draft=not plainly)
-            if plainly:
+            r.draft_depths = self._admission_depths(
+                r, min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
+            )
+            r.num_computed = self.kv.add(r.id, r.token_ids, draft_depths=r.draft_depths)
+            if r.draft_depths == 0:
                 self._stop_drafting(r, r.num_computed)  # its drafter has no state
+            elif r.draft_depths is not None:
+                self.drafter.limit_depths(r.id, r.draft_depths)  # type: ignore[attr-defined]  # MTP drafters only
             chunk_end = self._chunk_end(r, budget)
             if not self.kv.ensure(r.id, *self._needs(r, chunk_end)):
                 self.kv.free(r.id)
+                self.drafter.release(r.id)
                 self._forget_lag(r)  # decided again when next admitted
                 if not self.running:
                     self.waiting.popleft()
@@ -697,6 +739,7 @@ class Engine:
                     continue
                 break
             self.waiting.popleft()
+            self.depths_admitted[self.drafter.lookahead if r.draft_depths is None else r.draft_depths] += 1
             r.status = RequestStatus.RUNNING
             r.slot = self._free_slots.pop(0)
             self.running.append(r)
@@ -845,6 +888,11 @@ class Engine:
                         f"{len(r.token_ids)} committed tokens: draft token {d}, reference argmax "
                         f"{int(ref[s].argmax())}, max |logit diff| {diff:.2e} > {atol:g}."
                     )
+
+
+def _keeps_every_depth(r: Request) -> bool:
+    """Whether ``r`` drafts with every depth of the drafter (a probe can draft k_max for it)."""
+    return r.draft_depths is None and not r.drafting_off
 
 
 def _lag_len(r: RequestLike) -> int:

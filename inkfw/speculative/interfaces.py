@@ -156,7 +156,7 @@ class Drafts:
 class KVManager(Protocol):
     """Owns every byte of cache: target layers and every draft depth (KV and conv state)."""
 
-    def add(self, rid: Hashable, tokens: Sequence[int], draft: bool = True) -> int: ...  # -> prefix-cache hit length
+    def add(self, rid: Hashable, tokens: Sequence[int], draft_depths: int | None = None) -> int: ...  # -> hit length
     def ensure(self, rid: Hashable, target_end: int, draft_end: int) -> bool: ...
     def free(self, rid: Hashable) -> None: ...
     def finalize(
