@@ -209,7 +209,8 @@ def test_a_request_keeps_the_depths_whose_drafts_pay_for_their_prompt_pass():
     at k = 3, which 3 depths reach as well as 4 (ties: the fewer). A 100-position prompt's pass
     over all 4 depths costs 100 * prompt_s, over m depths m / 4 of that: at 0.1 plain steps
     m = 3 still wins (3.608 against 3.583 for m = 4), at 1 m = 2 (3.107 against 2.933), at 10
-    m = 1 (0.44; m = 2 loses 1.39). Without measured costs (the fallback model, 1 + 0.1 k,
+    m = 1 (0.44; m = 2 loses 1.39). An m that no running request drafts with adds a drafting
+    round to each of the request's ``10 / E(m)`` steps, priced at a k = 1 step's extra 0.2. Without measured costs (the fallback model, 1 + 0.1 k,
     no pass price) the largest k saves most: all 4 depths."""
     adaptive = AdaptiveK(max_k=4, prior_acceptance=0.7, probe_every=0, confidence=0.0)
     assert adaptive.depths_for(1, 100, 10, 4) == 4  # fallback model
@@ -217,6 +218,11 @@ def test_a_request_keeps_the_depths_whose_drafts_pay_for_their_prompt_pass():
     for prompt_s, depths in ((0.0, 3), (0.001, 3), (0.01, 2), (0.1, 1)):
         adaptive.set_costs(1, steps, prompt_s=prompt_s)
         assert adaptive.depths_for(1, 100, 10, 4) == depths, prompt_s
+        if prompt_s == 0.001:  # beside requests of 2 (1) depths, m = 3 adds a round: 10 / E(3) steps at 0.2
+            assert adaptive.depths_for(1, 100, 10, 4, running={2}) == 2  # 3.608 - 0.790 < 3.557
+            assert adaptive.depths_for(1, 100, 10, 4, running={1}) == 1  # 2.916 > 2.862 (m = 4)
+        if prompt_s == 0.1:  # its own m still, where the running one's costs more than the round
+            assert adaptive.depths_for(1, 100, 10, 4, running={4}) == 1  # -0.74 > -6.3
     adaptive.set_costs(1, [1.0, 1.2, 1.4, 1.6, 1.75])  # k = 4 now just cheapest per token: 0.6311 < 0.6317
     assert adaptive.depths_for(1, 100, 10, 4) == 4
     adaptive.set_costs(1, [1.0, 1.2, 1.4, 1.6, 1.75], prompt_s=0.001)  # the fourth depth's pass tips it

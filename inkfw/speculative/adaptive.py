@@ -94,7 +94,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from inkfw.errors import ConfigError
@@ -418,7 +418,9 @@ class AdaptiveK:
         # finishes), at batch 1's price per position where that was measured: about twice batch 4's
         return 0.0 if measured is None else max(self.prompt_s.get(measured, 0.0), self.prompt_s.get(1, 0.0))
 
-    def depths_for(self, bucket: int, prompt_positions: int, new_tokens: int, depths: int) -> int:
+    def depths_for(
+        self, bucket: int, prompt_positions: int, new_tokens: int, depths: int, running: Collection[int] = ()
+    ) -> int:
         """How many of the drafter's ``depths`` (P) a request admitted to draft at ``bucket`` should
         keep, by the estimates: the ``m`` in 1..P of the largest ``new_tokens * saving(m) -
         prompt_positions * prompt_s * m / P`` (ties: the fewer). A request kept to ``m`` depths drafts
@@ -426,7 +428,11 @@ class AdaptiveK:
         so that pass costs ``m / P`` of the whole one. ``saving(m)``: one row's share of ``step_s[0] /
         E(0) - min_{k <= m} cost_m(k) / E(k)``, where a step at ``k < m`` still owes the catch-up of
         depths ``k .. m - 1`` (``(m - k) / (P - k)`` of the measured catch-up, which runs ``P - k``)
-        and one at ``k = m`` owes none: the request has no deeper depths to catch up (module doc)."""
+        and one at ``k = m`` owes none: the request has no deeper depths to catch up (module doc).
+        ``running``: the depths that running requests draft with. Rows of another number of depths
+        run a drafting round of their own, so an ``m`` among none of them costs the batch one more
+        round per step for the request's ``new_tokens / E(m)`` steps, priced at ``step_s[1] -
+        step_s[0]`` (a k = 1 step's round and its wider verify: at most what a round costs)."""
         expected = self.expected_tokens_all()
         step_s = self.step_costs(bucket)
         later = self._catch_up_of(bucket) or [0.0] * len(step_s)
@@ -438,7 +444,10 @@ class AdaptiveK:
                 (step_s[k] + (expected[k] * later[k] * (m - k) / (depths - k) if k < m else 0.0)) / expected[k]
                 for k in range(min(m, self.max_k) + 1)
             )
-            return new_tokens * (step_s[0] - per_token) / rows - pass_s * m / depths
+            value = new_tokens * (step_s[0] - per_token) / rows - pass_s * m / depths
+            if running and m not in running:  # one more drafting round per step while it runs
+                value -= new_tokens / expected[min(m, self.max_k)] * (step_s[1] - step_s[0])
+            return value
 
         return max(range(1, depths + 1), key=lambda m: (value(m), -m))
 

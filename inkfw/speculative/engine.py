@@ -558,7 +558,8 @@ class Engine:
         """The MTP depths ``r``, admitted into a batch of ``num_rows``, drafts with for good
         (docs/design.md §5, adaptive k): 0 where it decodes plainly (:meth:`_admits_plainly`), else
         the ``m`` of :meth:`AdaptiveK.depths_for`, fewer than P where its prompt pass and steps
-        cost less so than they gain; None: every depth. A probe needs a row with every depth, so
+        cost less so than they gain, and one that running requests kept to fewer depths draft
+        with unless another pays for the drafting round it adds to every step; None: every depth. A probe needs a row with every depth, so
         where one falls due within ``r``'s expected steps and no running request keeps every
         depth, ``r`` keeps them all."""
         if self._admits_plainly(r, num_rows):
@@ -571,7 +572,9 @@ class Engine:
         if self.adaptive.steps_to_probe(bucket) <= steps and not any(_keeps_every_depth(o) for o in self.running):
             return None
         P = self.drafter.lookahead
-        depths = self.adaptive.depths_for(bucket, len(r.token_ids), new_tokens, P)
+        # the groups a request keeps to fewer depths may join (those with every depth carry probes)
+        running = {o.draft_depths for o in self.running if o.draft_depths is not None and not o.drafting_off}
+        depths = self.adaptive.depths_for(bucket, len(r.token_ids), new_tokens, P, running)
         return None if depths >= P else depths
 
     def _draft(self, spans: list[DraftSpan], num_rows: int) -> None:
