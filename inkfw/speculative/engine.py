@@ -556,12 +556,12 @@ class Engine:
 
     def _admission_depths(self, r: Request, num_rows: int) -> int | None:
         """The MTP depths ``r``, admitted into a batch of ``num_rows``, drafts with for good
-        (docs/design.md §5, adaptive k): 0 where it decodes plainly (:meth:`_admits_plainly`), else
-        the ``m`` of :meth:`AdaptiveK.depths_for`, fewer than P where its prompt pass and steps
-        cost less so than they gain, and one that running requests kept to fewer depths draft
-        with unless another pays for the drafting round it adds to every step; None: every depth. A probe needs a row with every depth, so
-        where one falls due within ``r``'s expected steps and no running request keeps every
-        depth, ``r`` keeps them all."""
+        (docs/design.md §5, adaptive k); None: every depth. 0 where it decodes plainly
+        (:meth:`_admits_plainly`), else the ``m`` of :meth:`AdaptiveK.depths_for`: fewer than P
+        where its prompt pass and steps cost less so than they gain, and the number that running
+        requests kept to fewer depths draft with unless another pays for the drafting round it
+        adds to every step. A probe needs a row with every depth, so where one falls due within
+        ``r``'s expected steps and no running request keeps every depth, ``r`` keeps them all."""
         if self._admits_plainly(r, num_rows):
             return 0
         if self.adaptive is None or self._forced_k is not None or not self.drafter.needs_hidden:
