@@ -416,7 +416,7 @@ class PagedKVManager:
         self._tags_by_block = [g.slot_pos.view(-1, bs) for g in self.groups]
         self._hashes: dict[Hashable, list[bytes]] = {}  # block hashes of the registered blocks, in order
         self._num_draft_registered: dict[Hashable, int] = {}  # of those, blocks registered in draft groups
-        self._draft_depths: dict[Hashable, int | None] = {}  # depths whose groups a request holds (None: all)
+        self._held: dict[Hashable, list[bool]] = {}  # per request and group: holds blocks there (add)
 
     # ------------------------------------------------------------------ queries
     def num_free_blocks(self) -> list[int]:
@@ -445,12 +445,6 @@ class PagedKVManager:
     def draft_groups(self) -> list[int]:
         return [i for i, g in enumerate(self.groups) if g.draft]
 
-    def _holds(self, rid: Hashable) -> list[bool]:
-        """Per group, whether ``rid`` holds blocks in it: every target group, and the groups of the
-        MTP depths below its ``draft_depths`` (:meth:`add`)."""
-        m = self._draft_depths.get(rid)
-        return [d is None or m is None or d < m for d in self._group_depth]
-
     def _needed_from(self, group: CacheGroup, first_query: int) -> int:
         """First position a query at ``first_query`` or later can read in ``group``."""
         return 0 if group.window is None else max(0, first_query - group.window + 1)
@@ -476,10 +470,11 @@ class PagedKVManager:
         self._tables[rid] = tables
         self._hashes[rid] = []
         self._num_draft_registered[rid] = 0
-        self._draft_depths[rid] = draft_depths
+        # every target group, and the groups of the depths below draft_depths
+        wanted = [d is None or draft_depths is None or d < draft_depths for d in self._group_depth]
+        self._held[rid] = wanted
         if not self.enable_prefix_caching:
             return 0
-        wanted = self._holds(rid)  # groups a hit needs and fills
         bs = self.block_size
         candidates = (len(tokens) - self.lookahead) // bs  # blocks whose lookahead is committed
         if len(tokens) - candidates * bs < 1:
@@ -511,7 +506,7 @@ class PagedKVManager:
         """Give ``rid`` blocks for target positions < ``target_end`` and draft positions <
         ``draft_end``. False when a pool ran out (what was allocated stays with ``rid``)."""
         bs = self.block_size
-        for gi, (g, table, held) in enumerate(zip(self.groups, self._tables[rid], self._holds(rid))):
+        for gi, (g, table, held) in enumerate(zip(self.groups, self._tables[rid], self._held[rid])):
             if not held:
                 continue
             need = _cdiv(draft_end if g.draft else target_end, bs)
@@ -544,7 +539,7 @@ class PagedKVManager:
                     g.pool.release(block)
         self._hashes.pop(rid, None)
         self._num_draft_registered.pop(rid, None)
-        self._draft_depths.pop(rid, None)
+        self._held.pop(rid, None)
 
     def finalize(
         self, rid: Hashable, tokens: Sequence[int], num_final: int, num_final_draft: int | None = None

@@ -444,7 +444,11 @@ class Engine:
             for (r, c0, c1), hidden in zip(prefills, self._prefill(prefills)):
                 r.num_computed = c1
                 final = c1 == len(r.token_ids) - 1
-                spans.append(DraftSpan(r, c0, hidden, None, self._num_drafts(r) if final else 0, slot=r.slot or 0))
+                spans.append(
+                    DraftSpan(
+                        r, c0, hidden, None, self._num_drafts(r) if final else 0, r.slot or 0, depths=r.draft_depths
+                    )
+                )
         if decodes:
             drafts = self._batch_drafts(decodes)
             bucket = bucket_for(len(decodes), self.config.batch_buckets)
@@ -469,7 +473,9 @@ class Engine:
                     finished.append(r)
                     continue
                 r.num_computed = L + a
-                spans.append(DraftSpan(r, L - 1, hiddens[b], a, self._num_drafts(r), r.slot or 0, a + 1))
+                spans.append(
+                    DraftSpan(r, L - 1, hiddens[b], a, self._num_drafts(r), r.slot or 0, a + 1, r.draft_depths)
+                )
         t1 = time.perf_counter()
 
         # draft (not for requests that stopped drafting)
@@ -530,9 +536,9 @@ class Engine:
             return False
         return self.adaptive.steps_to_probe(bucket) <= LAG_LIMIT
 
-    def _admits_plainly(self, r: Request, num_rows: int) -> bool:
-        """Whether ``r``, admitted into a batch of ``num_rows``, decodes plainly for good
-        (docs/design.md §5, adaptive k): where adaptive k's best at that bucket is 0, or where
+    def _admits_plainly(self, r: Request, bucket: int, new_tokens: int) -> bool:
+        """Whether ``r``, admitted into a batch of ``bucket`` to emit ``new_tokens``, decodes
+        plainly for good (docs/design.md §5, adaptive k): where adaptive k's best at that bucket is 0, or where
         its remaining tokens could not earn back the drafter's pass over its prompt; but not when
         a probe falls due soon and no other running request drafts (one is enough to observe a
         probe, and each drafting request costs the probe a pass over its prompt and its lag). A
@@ -541,11 +547,8 @@ class Engine:
         where the bucket's best k drafts but one drafting row among plain ones could not pay: that
         request would only lag until the probe, which the whole batch pays for. Its prompt would
         be drafted over for nothing, and its chunks need not stop short for the drafter."""
-        if self.adaptive is None or self._forced_k is not None or not self.drafter.needs_hidden:
-            return False
-        bucket = bucket_for(num_rows, self.config.batch_buckets)
+        assert self.adaptive is not None
         if self.adaptive.best_k(bucket) != 0:
-            new_tokens = r.max_new_tokens - len(r.output_token_ids)
             if self.adaptive.drafting_pays_for(bucket, len(r.token_ids), new_tokens):
                 return False
             if self.adaptive.best_k(bucket, 1 / bucket) == 0:
@@ -562,12 +565,12 @@ class Engine:
         requests kept to fewer depths draft with unless another pays for the drafting round it
         adds to every step. A probe needs a row with every depth, so where one falls due within
         ``r``'s expected steps and no running request keeps every depth, ``r`` keeps them all."""
-        if self._admits_plainly(r, num_rows):
-            return 0
         if self.adaptive is None or self._forced_k is not None or not self.drafter.needs_hidden:
             return None
         bucket = bucket_for(num_rows, self.config.batch_buckets)
         new_tokens = r.max_new_tokens - len(r.output_token_ids)
+        if self._admits_plainly(r, bucket, new_tokens):
+            return 0
         steps = new_tokens / self.adaptive.expected_tokens(self.adaptive.best_k(bucket))
         if self.adaptive.steps_to_probe(bucket) <= steps and not any(_keeps_every_depth(o) for o in self.running):
             return None
@@ -627,7 +630,7 @@ class Engine:
         else eager, any span length."""
         by_depths: dict[int | None, list[DraftSpan]] = {}
         for s in spans:
-            by_depths.setdefault(cast(Request, s.request).draft_depths, []).append(s)
+            by_depths.setdefault(s.depths, []).append(s)
         for group in by_depths.values():
             pad_to = bucket_for(len(group), self.config.batch_buckets) if static else None
             self._propose_round(group, k, pad_to)
@@ -725,12 +728,9 @@ class Engine:
             r.num_computed = self.kv.add(r.id, r.token_ids, draft_depths=r.draft_depths)
             if r.draft_depths == 0:
                 self._stop_drafting(r, r.num_computed)  # its drafter has no state
-            elif r.draft_depths is not None:
-                self.drafter.limit_depths(r.id, r.draft_depths)  # type: ignore[attr-defined]  # MTP drafters only
             chunk_end = self._chunk_end(r, budget)
             if not self.kv.ensure(r.id, *self._needs(r, chunk_end)):
                 self.kv.free(r.id)
-                self.drafter.release(r.id)
                 self._forget_lag(r)  # decided again when next admitted
                 if not self.running:
                     self.waiting.popleft()
@@ -912,4 +912,4 @@ def _with_lag(span: DraftSpan) -> DraftSpan:
     pieces = [h[:n] for h, n in r.lag] + [span.hidden[: span.new_positions]]
     hidden = torch.cat(pieces)  # [lag + new, H]
     start, r.lag, r.lag_start = r.lag_start, [], None
-    return DraftSpan(r, start, hidden, 0, span.num_drafts, span.slot, len(hidden))
+    return DraftSpan(r, start, hidden, 0, span.num_drafts, span.slot, len(hidden), span.depths)

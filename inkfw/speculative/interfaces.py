@@ -114,6 +114,8 @@ class DraftSpan:
     preceding verify accepted (None after a prefill chunk; 0 when in doubt: more re-prefill is
     always correct). ``num_drafts``: drafts wanted after this span (0 for a prefill chunk that
     is not the prompt's last). ``slot``: the request's fixed row in per-request device buffers.
+    ``depths``: the MTP depths ``0 .. depths - 1`` the request drafts with, fixed for its life
+    (adaptive k's admission, docs/design.md §5); None: every depth.
     """
 
     request: RequestLike
@@ -123,6 +125,7 @@ class DraftSpan:
     num_drafts: int
     slot: int = 0
     num_new: int | None = None  # None: len(hidden)
+    depths: int | None = None
 
     @property
     def new_positions(self) -> int:

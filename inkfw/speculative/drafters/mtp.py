@@ -15,8 +15,8 @@ A round that wants fewer drafts than P (adaptive k) is *shallow* when it can be:
 depths ``0 .. k-1`` and keeps the span's target hidden states, so the deeper depths run over
 those positions later, in one span from the first deferred position, at the first round that
 needs them (docs/design.md §2). A request limited to ``m < P`` depths (adaptive k's admission,
-:meth:`MtpDrafter.limit_depths`) drafts as if the drafter had only those: at most ``m`` drafts,
-and the deeper depths never run over it.
+``DraftSpan.depths``) drafts as if the drafter had only those: at most ``m`` drafts, and the
+deeper depths never run over it.
 """
 
 from __future__ import annotations
@@ -103,7 +103,6 @@ class MtpDrafter(StepModes):
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self._rows: dict[Hashable, _RowState] = {}
-        self._depths: dict[Hashable, int] = {}  # requests limited to fewer than P depths (limit_depths)
         self.tail = torch.zeros(
             1, max(0, self.lookahead - 1), model.cfg.hidden_size, dtype=self.dtype, device=self.device
         )
@@ -119,21 +118,6 @@ class MtpDrafter(StepModes):
 
     def release(self, rid: Hashable) -> None:
         self._rows.pop(rid, None)
-        self._depths.pop(rid, None)
-
-    def limit_depths(self, rid: Hashable, depths: int) -> None:
-        """Request ``rid``, not drafted over yet, drafts with depths ``0 .. depths - 1`` only, until
-        it is released (docs/design.md §2): a round over it runs at most those depths and drafts
-        at most ``depths`` tokens, so its other depths need no cache. Rounds take requests of one
-        limit only (the engine groups them)."""
-        if not 1 <= depths <= self.lookahead or rid in self._rows:
-            raise ValueError(f"request {rid}: cannot limit to {depths} depths (P = {self.lookahead}, before drafting)")
-        if depths < self.lookahead:
-            self._depths[rid] = depths
-
-    def depths_of(self, rid: Hashable) -> int:
-        """The depths request ``rid`` drafts with: P unless :meth:`limit_depths` set fewer."""
-        return self._depths.get(rid, self.lookahead)
 
     def next_start(self, rid: Hashable) -> int | None:
         """First position request ``rid``'s next span must start at (None: not seen yet)."""
@@ -171,11 +155,11 @@ class MtpDrafter(StepModes):
         depths) run eagerly. A round with ``num_tokens`` < P runs depths ``0 .. num_tokens - 1``
         only when every row can defer the others (:meth:`_can_defer`); otherwise all P depths run
         and rows with deferred positions catch up. Rows limited to ``m < P`` depths
-        (:meth:`limit_depths`, all of one limit) take ``m`` in place of P, and k at most ``m``.
-        Returns the first ``len(spans)`` rows."""
+        (``DraftSpan.depths``, one limit per round: the engine groups them) take ``m`` in place of
+        P, and k at most ``m``. Returns the first ``len(spans)`` rows."""
         P = self.lookahead
-        limits = {self.depths_of(s.request.id) for s in spans}
-        assert len(limits) <= 1, f"one drafting round over requests limited to {sorted(limits)} depths"
+        limits = {P if s.depths is None else s.depths for s in spans}
+        assert len(limits) <= 1 and limits <= set(range(1, P + 1)), f"one round over rows of depths {limits}"
         top = limits.pop() if limits else P  # the depths these rows draft with
         K = self.num_tokens if num_tokens is None else num_tokens
         if top < P:  # limited rows draft no more than their depths (no decode steps)
