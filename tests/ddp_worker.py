@@ -128,13 +128,15 @@ def main(mode: str, out: str) -> None:
 def trained(mode: str) -> dict:
     """Run this file for ``mode`` in fresh processes (once per test session): rank 0's results,
     plus ``ranks``, the per-rank layouts of an FSDP run."""
-    out = Path(tempfile.mkdtemp(prefix=f"inkfw-{mode}-")) / "result.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, __file__, mode, str(out)], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    result = torch.load(out)
-    ranks = sorted(out.parent.glob(f"{out.name}.rank*.json"))
-    result["ranks"] = [json.loads(p.read_text()) for p in ranks]
+    with tempfile.TemporaryDirectory(prefix=f"inkfw-{mode}-") as tmp:
+        out = Path(tmp) / "result.pt"
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        cmd = [sys.executable, __file__, mode, str(out)]
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        result = torch.load(out)
+        ranks = sorted(out.parent.glob(f"{out.name}.rank*.json"))
+        result["ranks"] = [json.loads(p.read_text()) for p in ranks]
     return result
 
 
