@@ -180,20 +180,25 @@ def test_catch_up_costs_weigh_on_shallow_k_by_their_tokens():
 
 
 def test_a_request_drafts_only_where_its_tokens_can_earn_back_the_prompt_pass():
-    """At k = 2 (E = 2.19 at 1.4 plain steps) each token a row emits saves 1 - 1.4 / 2.19 = 0.361
-    plain steps; a 100-position prompt whose pass costs 1 plain step is earned back from 3 new
-    tokens on, not by 2. Where the pass was not measured only the best k decides; where the best
-    k is 0 nothing is saved; a borrowed bucket prices by the rows its costs were measured with."""
+    """P = 2. At k = 2 (E = 2.19 at 1.4 plain steps) each token a row emits saves 1 - 1.4 / 2.19
+    = 0.361 plain steps; a 100-position prompt whose pass over both depths costs 1 plain step is
+    earned back from 3 new tokens on. A request kept to 1 depth saves 1 - 1.2 / 1.7 = 0.294 a
+    token (k = 1) for half the pass (0.5): earned back from 2 tokens on, not by 1. Where the pass
+    was not measured only the best k decides; where the best k is 0 nothing is saved; a
+    borrowed bucket prices by the rows its costs were measured with."""
     adaptive = AdaptiveK(max_k=2, prior_acceptance=0.7, probe_every=0, confidence=0.0)
     adaptive.set_costs(1, [1.0, 1.2, 1.4], prompt_s=0.01)
     assert adaptive.best_k(1) == 2
     assert adaptive.saving_per_token(1) == pytest.approx(1 - 1.4 / 2.19)
-    assert not adaptive.drafting_pays_for(1, 100, 2) and adaptive.drafting_pays_for(1, 100, 3)
-    assert adaptive.drafting_pays_for(2, 100, 3) and not adaptive.drafting_pays_for(2, 100, 2)  # bucket 1's
+    assert not adaptive.drafting_pays_for(1, 100, 1) and adaptive.drafting_pays_for(1, 100, 2)
+    assert adaptive.drafting_pays_for(2, 100, 2) and not adaptive.drafting_pays_for(2, 100, 1)  # bucket 1's
     adaptive.set_costs(4, [4.0, 4.8, 5.6], prompt_s=0.005)  # a batch of 4: a row's share is a quarter
     assert adaptive.saving_per_token(4) == pytest.approx((4.0 - 5.6 / 2.19) / 4)
     # the pass priced at batch 1's 0.01 per position (a prompt is mostly drafted alone), not 0.005
-    assert not adaptive.drafting_pays_for(4, 100, 2) and adaptive.drafting_pays_for(4, 100, 3)
+    # (at which 1 depth's pass, 0.25, would be earned back by one token's 0.294)
+    assert not adaptive.drafting_pays_for(4, 100, 1) and adaptive.drafting_pays_for(4, 100, 2)
+    adaptive.set_costs(1, [1.0, 1.2, 5.0], prompt_s=0.01)  # k = 2 too dear: 1 depth is all that drafts
+    assert adaptive.drafting_pays_for(1, 100, 2) and not adaptive.drafting_pays_for(1, 200, 3)
     adaptive.set_costs(1, [1.0, 1.2, 1.4])  # the pass not measured
     assert adaptive.drafting_pays_for(1, 10**6, 1)
     adaptive.set_costs(1, [1.0, 100.0, 100.0], prompt_s=0.01)  # k = 0 best
@@ -213,24 +218,24 @@ def test_a_request_keeps_the_depths_whose_drafts_pay_for_their_prompt_pass():
     round to each of the request's ``10 / E(m)`` steps, priced at a k = 1 step's extra 0.2. Without measured costs (the fallback model, 1 + 0.1 k,
     no pass price) the largest k saves most: all 4 depths."""
     adaptive = AdaptiveK(max_k=4, prior_acceptance=0.7, probe_every=0, confidence=0.0)
-    assert adaptive.depths_for(1, 100, 10, 4) == 4  # fallback model
+    assert adaptive.depths_for(1, 100, 10) == 4  # fallback model
     steps = [1.0, 1.2, 1.4, 1.6, 1.8]
     for prompt_s, depths in ((0.0, 3), (0.001, 3), (0.01, 2), (0.1, 1)):
         adaptive.set_costs(1, steps, prompt_s=prompt_s)
-        assert adaptive.depths_for(1, 100, 10, 4) == depths, prompt_s
+        assert adaptive.depths_for(1, 100, 10) == depths, prompt_s
         if prompt_s == 0.001:  # beside requests of 2 (1) depths, m = 3 adds a round: 10 / E(3) steps at 0.2
-            assert adaptive.depths_for(1, 100, 10, 4, running={2}) == 2  # 3.608 - 0.790 < 3.557
-            assert adaptive.depths_for(1, 100, 10, 4, running={1}) == 1  # 2.916 > 2.862 (m = 4)
+            assert adaptive.depths_for(1, 100, 10, running={2}) == 2  # 3.608 - 0.790 < 3.557
+            assert adaptive.depths_for(1, 100, 10, running={1}) == 1  # 2.916 > 2.862 (m = 4)
         if prompt_s == 0.1:  # its own m still, where the running one's costs more than the round
-            assert adaptive.depths_for(1, 100, 10, 4, running={4}) == 1  # -0.74 > -6.3
+            assert adaptive.depths_for(1, 100, 10, running={4}) == 1  # -0.74 > -6.3
     adaptive.set_costs(1, [1.0, 1.2, 1.4, 1.6, 1.75])  # k = 4 now just cheapest per token: 0.6311 < 0.6317
-    assert adaptive.depths_for(1, 100, 10, 4) == 4
+    assert adaptive.depths_for(1, 100, 10) == 4
     adaptive.set_costs(1, [1.0, 1.2, 1.4, 1.6, 1.75], prompt_s=0.001)  # the fourth depth's pass tips it
-    assert adaptive.depths_for(1, 100, 10, 4) == 3
+    assert adaptive.depths_for(1, 100, 10) == 3
     # a shallow step owes its catch-up of the depths it skips within the request's m: with k = 2 best
     # inside m = 3 or 4 (k = 3, 4 cost 1.9, 2.0), m = 2 drafts k = 2 with no catch-up at all
     adaptive.set_costs(1, [1.0, 1.2, 1.4, 1.9, 2.0], [0.0, 0.05, 0.05, 0.05, 0.0])
-    assert adaptive.depths_for(1, 100, 10, 4) == 2
+    assert adaptive.depths_for(1, 100, 10) == 2
 
 
 def test_a_due_probe_waits_for_a_row_with_every_depth():
@@ -267,8 +272,29 @@ def test_rows_that_decode_plainly_pay_the_step_but_gain_nothing():
     still beats plain decoding (1.595 / 1.4) and k = 1 (1.35 / 1.2)."""
     adaptive = AdaptiveK(max_k=2, prior_acceptance=0.7, probe_every=0, confidence=0.0)
     adaptive.set_costs(4, [1.0, 1.2, 1.4])
-    assert [adaptive.best_k(4, share) for share in (1.0, 0.5, 0.25)] == [2, 2, 0]
-    assert [adaptive.choose(4, share) for share in (1.0, 0.25)] == [2, 0]
+    assert [adaptive.best_k(4, rows) for rows in ([2] * 4, [2, 2, 0, 0], [2, 0, 0, 0])] == [2, 2, 0]
+    assert [adaptive.choose(4, rows) for rows in ([2] * 4, [2, 0, 0, 0])] == [2, 0]
+
+
+def test_rows_kept_to_fewer_depths_cap_what_a_wider_k_buys():
+    """k_max = P = 4, E = 1, 1.7, 2.19, 2.533, 2.773 (prior 0.7), steps at 1.0 .. 1.8 plain steps.
+    Every row with every depth: k = 3 (2.533 / 1.6 = 1.583 beats 1.564 at k = 2). One row with
+    every depth beside three kept to 1 depth: k = 2 emits (2.19 + 3 * 1.7) / 4 = 1.82 tokens a row
+    at 1.4 (1.30 a step), below k = 1's 1.7 / 1.2 = 1.42, so k = 1; beside three kept to 2,
+    k = 2 (1.564 against 2.275 / 1.6 = 1.42 at k = 3). Rows that all keep 2 depths take k = 2
+    whatever k above it is asked: a wider k buys them nothing and ties go to the smaller k."""
+    adaptive = AdaptiveK(max_k=4, prior_acceptance=0.7, probe_every=0, confidence=0.0)
+    adaptive.set_costs(4, [1.0, 1.2, 1.4, 1.6, 1.8])
+    assert adaptive.best_k(4) == adaptive.best_k(4, [4] * 4) == 3
+    assert adaptive.best_k(4, [4, 1, 1, 1]) == 1 and adaptive.choose(4, [4, 1, 1, 1]) == 1
+    assert adaptive.best_k(4, [4, 2, 2, 2]) == 2
+    adaptive.set_costs(4, [1.0, 1.2, 1.3, 1.35, 1.4])  # k = 4 best with every depth; 2 depths: k = 2
+    assert adaptive.best_k(4) == 4 and adaptive.best_k(4, [2] * 4) == 2
+    # a shallow step owes the catch-up of the depths its rows keep beyond it: at k = 1 rows kept to
+    # 2 depths owe 1/3 of what rows with all 4 owe (0.3 per token): 1.2 + 1.7 * 0.1 = 1.37 a step
+    adaptive.set_costs(4, [1.0, 1.2, 3.0, 3.0, 3.0], [0.0, 0.3, 0.0, 0.0, 0.0])
+    assert adaptive.best_k(4, [2] * 4) == 1  # 1.7 / 1.37 = 1.24 tokens a step
+    assert adaptive.best_k(4) == 0  # 1.7 / (1.2 + 1.7 * 0.3) = 0.99
 
 
 def test_drafting_must_promise_the_minimum_gain():

@@ -1023,7 +1023,7 @@ def test_auto_k_keeps_each_request_to_the_depths_that_pay(model):
     assert isinstance(adaptive, AdaptiveK)
     for bucket in (1, 2):
         adaptive.set_costs(bucket, [1.0, 1.1, 3.0, 3.0], prompt_s=0.001)
-    assert adaptive.best_k(1) == 1 and adaptive.depths_for(1, 10, 12, 3) == 1
+    assert adaptive.best_k(1) == 1 and adaptive.depths_for(1, 10, 12) == 1
     adaptive.probe_every, adaptive.probe_budget, adaptive.max_backoff = 64, 0.0, 0
     _, drafter = parts(engine)
     rounds: list[tuple[int, int]] = []  # (k, depths run) of every drafting round
@@ -1073,7 +1073,7 @@ def test_auto_k_admits_plainly_where_one_drafting_row_could_not_pay(model):
     adaptive = engine.adaptive
     assert isinstance(adaptive, AdaptiveK)
     adaptive.set_costs(4, [1.0, 1.3, 1.6, 1.9], prompt_s=1.0)
-    assert adaptive.best_k(4) == 2 and adaptive.best_k(4, 1 / 4) == 0
+    assert adaptive.best_k(4) == 2 and adaptive.best_k(4, [3, 0, 0, 0]) == 0
     assert not adaptive.drafting_pays_for(4, 12, 8) and adaptive.steps_to_probe(4) <= LAG_LIMIT
     prompts = prompts_of(71, 4, lo=12, hi=12)
     reqs = [engine.add_request(p, max_new_tokens=8) for p in prompts]
@@ -1097,7 +1097,7 @@ def test_auto_k_prices_a_round_by_the_rows_that_draft(model):
     assert isinstance(adaptive, AdaptiveK)
     adaptive.set_costs(2, [1.0, 1.3, 1.6], prompt_s=0.1)
     adaptive.probe_every, adaptive.confidence, adaptive.prior_acceptance = 0, 0.0, 0.7  # the estimates decide
-    assert adaptive.best_k(2) == 2 and adaptive.best_k(2, 0.5) == 0
+    assert adaptive.best_k(2) == 2 and adaptive.best_k(2, [2, 0]) == 0
     prompts = [prompts_of(68, 1, lo=6, hi=6)[0], prompts_of(69, 1, lo=20, hi=20)[0]]
     reqs = [engine.add_request(p, max_new_tokens=8) for p in prompts]
     engine.step()

@@ -18,10 +18,13 @@ pick the k in 0..max_k that maximises expected tokens per second.
   borrows those of the nearest measured bucket; with none measured, it uses the model
   ``step_s[k] = 1 + fallback_draft_cost * k`` (relative units; drafting and the wider verify each
   cost a fixed fraction of a plain step).
-* **Choice.** ``argmax_k bucket * E(k) / step_s[k]``; ties go to the smaller k. Where only a
-  share ``s`` of the step's rows draft (the others were admitted plainly or stopped drafting),
-  every row still pays the step at k, and a row emits ``1 + s (E(k) - 1)`` tokens on average. Where that is
-  k = 0, the same argmax with each ``alpha_i`` raised to its upper bound
+* **Choice.** ``argmax_k bucket * E(k) / step_s[k]``; ties go to the smaller k. Rows differ in
+  what they can draft: one admitted plainly or stopped drafting emits 1 token, one kept to
+  ``m < P`` depths (below) ``E(min(k, m))``, and every row pays the step of the widest row's
+  drafts, so the argmax is over the rows' mean tokens (:meth:`AdaptiveK.choose` takes the depths
+  each row keeps). Before it did, one probe carrier among 13 rows kept to 2 depths at batch 16
+  made every step verify 9 positions a row for drafts the others could not make (HumanEval's
+  first batches at 0.66-0.70x plain). Where that is k = 0, the same argmax with each ``alpha_i`` raised to its upper bound
   ``alpha_i + confidence * sqrt(alpha_i (1 - alpha_i) / (seen_i + w))`` (at most 1;
   ``confidence`` 1 by default, 0 switches it off): whether to draft at all is decided
   optimistically, because k = 0 observes nothing and so cannot correct itself, while a drafting
@@ -39,10 +42,13 @@ pick the k in 0..max_k that maximises expected tokens per second.
 * **Admission.** A request's drafter first passes over its whole prompt (every depth, eagerly),
   which no step cost includes. Warm-up measures that pass per prompt position (``prompt_s``,
   batch seconds, :meth:`AdaptiveK.set_costs`), and a request is drafted for only where its
-  ``new_tokens`` at most could earn it back: ``new_tokens * saving_per_token > positions *
-  prompt_s`` (:meth:`AdaptiveK.drafting_pays_for`), with ``saving_per_token`` one row's share of
-  ``step_s[0] / E(0) - step_s[k] / E(k)``, priced optimistically (every estimate at its upper
-  bound, k the best there: a request admitted plainly observes nothing); else it decodes plainly
+  ``new_tokens`` at most could earn back that pass over some number ``m`` of depths (below):
+  ``new_tokens * saving(m) > positions * prompt_s * m / P`` (:meth:`AdaptiveK.drafting_pays_for`),
+  with ``saving(m)`` one row's share of ``step_s[0] / E(0) - step_s[k] / E(min(k, m))``, priced
+  optimistically (every estimate at its upper bound, k the best there: a request admitted
+  plainly observes nothing). Priced with every depth's pass, a 199-token HumanEval prompt was
+  admitted plainly at batch 16 where 1 depth paid, and decoded alone for 25 steps after the
+  batch beside it had finished (0.95x plain for that batch). Else it decodes plainly
   from admission, unless a probe falls due soon and no other running request drafts (the
   engine's ``_admits_plainly``: with every request admitted plainly nothing would ever be
   observed again, and no probe could run). The pass is priced at the larger of the bucket's
@@ -142,6 +148,7 @@ class AdaptiveK:
     def __init__(
         self,
         max_k: int,
+        lookahead: int | None = None,
         prior_acceptance: float = 0.7,
         prior_weight: float = 2.0,
         decay: float = 0.99,
@@ -154,6 +161,8 @@ class AdaptiveK:
     ) -> None:
         if max_k < 0:
             raise ConfigError(f"max_k must be >= 0, got {max_k}.")
+        if lookahead is not None and not 0 <= lookahead <= max_k:
+            raise ConfigError(f"the drafter's depths P must be in 0..max_k = {max_k}, got {lookahead}.")
         if not 0.0 <= prior_acceptance <= 1.0 or prior_weight <= 0:
             raise ConfigError(
                 f"need 0 <= prior_acceptance <= 1 and prior_weight > 0, got {prior_acceptance} and {prior_weight}."
@@ -171,6 +180,7 @@ class AdaptiveK:
         if not (math.isfinite(confidence) and confidence >= 0):
             raise ConfigError(f"confidence must be a finite number >= 0, got {confidence}.")
         self.max_k = max_k
+        self.lookahead = max_k if lookahead is None else lookahead  # P: the depths a request drafts with at most
         self.prior_acceptance = prior_acceptance
         self.prior_weight = prior_weight
         self.decay = decay
@@ -303,11 +313,11 @@ class AdaptiveK:
         measured = self._measured_bucket(bucket)
         return None if measured is None else self.catch_up.get(measured)  # costs set without set_costs: none
 
-    def best_k_at(self, bucket: int, confidence: float = 0.0, share: float = 1.0) -> int:
+    def best_k_at(self, bucket: int, confidence: float = 0.0, row_depths: Sequence[int] | None = None) -> int:
         """The k maximising expected tokens/s at ``bucket`` now with every estimate at its upper
-        bound at ``confidence`` (0: the estimates themselves; no probing, nothing recorded), where
-        a ``share`` of the batch's rows draft (:meth:`_best_k_given`)."""
-        return self._best_k_given(bucket, self.acceptance_bounds(confidence) if confidence else None, share)
+        bound at ``confidence`` (0: the estimates themselves; no probing, nothing recorded), for
+        rows that keep ``row_depths`` (:meth:`_row_steps`)."""
+        return self._best_k_given(bucket, self.acceptance_bounds(confidence) if confidence else None, row_depths)
 
     def drafting_could_pay(self, bucket: int) -> bool:
         """Whether any acceptance could make drafting pay at ``bucket``: with every draft accepted
@@ -316,14 +326,28 @@ class AdaptiveK:
         return self._best_k_given(bucket, [1.0] * self.max_k) != 0
 
     def _row_steps(
-        self, bucket: int, acceptance: Sequence[float] | None, share: float = 1.0
+        self, bucket: int, acceptance: Sequence[float] | None, row_depths: Sequence[int] | None = None
     ) -> tuple[list[float], list[float]]:
-        """Tokens a row emits per step and seconds of a step at ``bucket``, k = 0..max_k, with
-        conditional acceptances ``acceptance`` (None: the estimates). Where only a ``share`` of the
-        rows draft (the others decode plainly), every row pays the step at k and a row emits
-        ``1 + share * (E(k) - 1)`` tokens on average."""
-        drafted = [share * e for e in self.expected_tokens_all(acceptance)]  # per row, from drafting rows
-        return [1 - share + d for d in drafted], self.costs_now(bucket, drafted)
+        """Tokens a row emits per step on average and seconds of a step at ``bucket``, k =
+        0..max_k, with conditional acceptances ``acceptance`` (None: the estimates), for rows that
+        keep ``row_depths`` (module doc; None: one row with every depth, as every row of a batch
+        that drafts alike). A row kept to ``m < P`` depths drafts ``min(k, m)`` and emits
+        ``E(min(k, m))``; one that decodes plainly (``m = 0``) emits 1; one with every depth drafts
+        k. Every row pays the step of the widest row's drafts, and a row whose ``min(m, P)``
+        depths a shallow step at ``k`` leaves behind owes ``(min(m, P) - k) / (P - k)`` of the
+        catch-up measured for all ``P - k``."""
+        rows = row_depths or [self.lookahead]
+        P, expected = self.lookahead, self.expected_tokens_all(acceptance)
+        caps = [self.max_k if m >= P else m for m in rows]  # the drafts each row takes at most
+        step_s = self.step_costs(bucket)
+        later = self._catch_up_of(bucket) or [0.0] * len(step_s)
+        tokens, seconds = [], []
+        for k in range(self.max_k + 1):
+            width = min(k, max(caps))  # the drafts of the step's widest row
+            owed = sum(expected[width] * (min(m, P) - width) / (P - width) for m in rows if width < min(m, P))
+            tokens.append(sum(expected[min(k, c)] for c in caps) / len(rows))
+            seconds.append(step_s[width] + later[width] * owed / len(rows))
+        return tokens, seconds
 
     def _best_of(self, tokens: Sequence[float], step_s: Sequence[float]) -> int:
         """The k of the most tokens per second (ties: the smaller k), 0 unless it beats plain
@@ -332,30 +356,34 @@ class AdaptiveK:
         best = max(range(self.max_k + 1), key=lambda k: (rates[k], -k))
         return best if rates[best] >= rates[0] * (1 + self.min_gain) else 0
 
-    def _best_k_given(self, bucket: int, acceptance: Sequence[float] | None, share: float = 1.0) -> int:
+    def _best_k_given(
+        self, bucket: int, acceptance: Sequence[float] | None, row_depths: Sequence[int] | None = None
+    ) -> int:
         """The argmax of expected tokens/s at ``bucket`` with conditional acceptances ``acceptance``
-        (None: the estimates) where a ``share`` of the rows draft (:meth:`_row_steps`), 0 unless it
+        (None: the estimates) for rows that keep ``row_depths`` (:meth:`_row_steps`), 0 unless it
         beats plain decoding by ``min_gain``."""
-        return self._best_of(*self._row_steps(bucket, acceptance, share))
+        return self._best_of(*self._row_steps(bucket, acceptance, row_depths))
 
-    def best_k(self, bucket: int, share: float = 1.0) -> int:
+    def best_k(self, bucket: int, row_depths: Sequence[int] | None = None) -> int:
         """The k to draft at ``bucket`` now (no probing, nothing recorded): the estimates' best,
-        and where that is 0, the optimistic one (module doc); ``share``: of the rows, those that
-        draft (the others were admitted plainly)."""
-        return self.best_k_at(bucket, 0.0, share) or self.best_k_at(bucket, self.confidence, share)
+        and where that is 0, the optimistic one (module doc); ``row_depths``: the depths each row
+        of the step keeps (0: it decodes plainly; None: every row every depth)."""
+        return self.best_k_at(bucket, 0.0, row_depths) or self.best_k_at(bucket, self.confidence, row_depths)
 
-    def choose(self, bucket: int, share: float = 1.0, probe: bool = True) -> int:
-        """k for this engine step at ``bucket`` where a ``share`` of the rows draft:
-        :meth:`best_k`, or max_k on a probe step. ``probe=False``: no row could draft max_k (each
-        keeps fewer depths, :meth:`depths_for`), so a probe that is due stays due."""
-        best = self.best_k(bucket, share)
+    def choose(self, bucket: int, row_depths: Sequence[int] | None = None, probe: bool = True) -> int:
+        """k for this engine step at ``bucket`` whose rows keep ``row_depths`` (:meth:`best_k`), or
+        max_k on a probe step. ``probe=False``: no row could draft max_k (each keeps fewer depths,
+        :meth:`depths_for`), so a probe that is due stays due."""
+        best = self.best_k(bucket, row_depths)
         due = self._due(bucket, best) if self._probes(bucket) else math.inf  # scheduled before this step
         self.steps[bucket] += 1
         k = best
         if self.steps[bucket] >= due and probe:
             self.probes += 1
             k = self.max_k
-            settled = self._probe_best.get(bucket) == best and self.best_k_at(bucket, self.confidence, share) == best
+            settled = (
+                self._probe_best.get(bucket) == best and self.best_k_at(bucket, self.confidence, row_depths) == best
+            )
             self._backoff[bucket] = min(self.max_backoff, self._backoff[bucket] + 1) if settled else 0
             self._probe_best[bucket] = best
             self._next_probe[bucket] = self.steps[bucket] + self.probe_interval(bucket, best)
@@ -394,21 +422,35 @@ class AdaptiveK:
         Whether a request drafts at all is decided like whether a round does (module doc): one
         admitted plainly observes nothing, so estimates priced low could never correct
         themselves (with the prior alone no request at batch 1 would draft). 0 where that k is 0."""
-        tokens, step_s = self._row_steps(bucket, self.acceptance_bounds(self.confidence) if self.confidence else None)
+        return self._row_saving(bucket, self._optimistic(), self.lookahead)
+
+    def _optimistic(self) -> list[float] | None:
+        """The acceptances whether to draft is decided with: the upper bounds (None: the estimates,
+        with ``confidence`` 0)."""
+        return self.acceptance_bounds(self.confidence) if self.confidence else None
+
+    def _row_saving(self, bucket: int, acceptance: Sequence[float] | None, depths: int) -> float:
+        """Seconds of a batch of ``bucket``'s time that each token of a row kept to ``depths`` saves
+        at its best k over emitting it plainly (one row's share, :meth:`_row_steps`; 0 where that
+        k is 0), with conditional acceptances ``acceptance`` (None: the estimates)."""
+        tokens, step_s = self._row_steps(bucket, acceptance, [depths])
         k = self._best_of(tokens, step_s)
         rows = self._measured_bucket(bucket) or bucket  # the batch the costs were measured at
         return max(0.0, step_s[0] / tokens[0] - step_s[k] / tokens[k]) / rows
 
     def drafting_pays_for(self, bucket: int, prompt_positions: int, new_tokens: int) -> bool:
         """Whether a request admitted into a batch of ``bucket`` with ``prompt_positions`` to draft
-        over and up to ``new_tokens`` to emit earns back the drafter's pass over its prompt:
-        ``new_tokens * saving_per_token > prompt_positions * prompt_s`` (module doc), the pass
-        priced at the larger of the bucket's and batch 1's measured ``prompt_s``. Where the pass
-        was not measured, whether the best k drafts at all."""
-        prompt_s = self._prompt_price(bucket)
-        if prompt_s <= 0.0:
+        over and up to ``new_tokens`` to emit earns back the drafter's pass over its prompt with
+        some number of depths ``m``: ``new_tokens * saving(m) > prompt_positions * prompt_s * m /
+        P`` (module doc), savings priced optimistically (:meth:`saving_per_token`, for a row kept
+        to ``m`` depths) and the pass at the larger of the bucket's and batch 1's measured
+        ``prompt_s``. Where the pass was not measured, whether the best k drafts at all."""
+        prompt_s, P = self._prompt_price(bucket), self.lookahead
+        if prompt_s <= 0.0 or P == 0:
             return self.best_k(bucket) != 0
-        return new_tokens * self.saving_per_token(bucket) > prompt_positions * prompt_s
+        bounds = self._optimistic()
+        pass_s = prompt_positions * prompt_s
+        return any(new_tokens * self._row_saving(bucket, bounds, m) > pass_s * m / P for m in range(1, P + 1))
 
     def _prompt_price(self, bucket: int) -> float:
         """Seconds of the drafter's pass (every depth) per prompt position of a request admitted at
@@ -418,38 +460,30 @@ class AdaptiveK:
         # finishes), at batch 1's price per position where that was measured: about twice batch 4's
         return 0.0 if measured is None else max(self.prompt_s.get(measured, 0.0), self.prompt_s.get(1, 0.0))
 
-    def depths_for(
-        self, bucket: int, prompt_positions: int, new_tokens: int, depths: int, running: Collection[int] = ()
-    ) -> int:
-        """How many of the drafter's ``depths`` (P) a request admitted to draft at ``bucket`` should
+    def depths_for(self, bucket: int, prompt_positions: int, new_tokens: int, running: Collection[int] = ()) -> int:
+        """How many of the drafter's P depths a request admitted to draft at ``bucket`` should
         keep, by the estimates: the ``m`` in 1..P of the largest ``new_tokens * saving(m) -
         prompt_positions * prompt_s * m / P`` (ties: the fewer). A request kept to ``m`` depths drafts
         at most ``m`` tokens a step, and its drafter passes over its prompt with ``m`` depths only,
         so that pass costs ``m / P`` of the whole one. ``saving(m)``: one row's share of ``step_s[0] /
-        E(0) - min_{k <= m} cost_m(k) / E(k)``, where a step at ``k < m`` still owes the catch-up of
-        depths ``k .. m - 1`` (``(m - k) / (P - k)`` of the measured catch-up, which runs ``P - k``)
-        and one at ``k = m`` owes none: the request has no deeper depths to catch up (module doc).
+        E(0) - cost_m(k) / E(min(k, m))`` at the best k for such a row (:meth:`_row_saving`), where
+        a step at ``k < m`` still owes the catch-up of depths ``k .. m - 1`` and one at ``k >= m``
+        owes none: the request has no deeper depths to catch up (module doc).
         ``running``: the depths that running requests draft with. Rows of another number of depths
         run a drafting round of their own, so an ``m`` among none of them costs the batch one more
         round per step for the request's ``new_tokens / E(m)`` steps, priced at ``step_s[1] -
         step_s[0]`` (a k = 1 step's round and its wider verify: at most what a round costs)."""
-        expected = self.expected_tokens_all()
+        P, expected = self.lookahead, self.expected_tokens_all()
         step_s = self.step_costs(bucket)
-        later = self._catch_up_of(bucket) or [0.0] * len(step_s)
-        rows = self._measured_bucket(bucket) or bucket  # the batch the costs were measured at
         pass_s = prompt_positions * self._prompt_price(bucket)
 
         def value(m: int) -> float:
-            per_token = min(
-                (step_s[k] + (expected[k] * later[k] * (m - k) / (depths - k) if k < m else 0.0)) / expected[k]
-                for k in range(min(m, self.max_k) + 1)
-            )
-            value = new_tokens * (step_s[0] - per_token) / rows - pass_s * m / depths
+            value = new_tokens * self._row_saving(bucket, None, m) - pass_s * m / P
             if running and m not in running:  # one more drafting round per step while it runs
                 value -= new_tokens / expected[min(m, self.max_k)] * (step_s[1] - step_s[0])
             return value
 
-        return max(range(1, depths + 1), key=lambda m: (value(m), -m))
+        return max(range(1, P + 1), key=lambda m: (value(m), -m))
 
     def probe_interval(self, bucket: int, best: int) -> int:
         """Steps from a probe at best k ``best`` to the next probe (module doc)."""

@@ -519,15 +519,15 @@ class Engine:
             obs.on_step_end(self, finished)
         return finished
 
-    def _round_k(self, bucket: int, share: float, probe: bool = True) -> int:
+    def _round_k(self, bucket: int, row_depths: Sequence[int], probe: bool = True) -> int:
         """k of this drafting round: the drafter's, or adaptive k's choice for the batch bucket
-        where a ``share`` of the rows draft (the others decode plainly); ``probe``: whether a row
+        whose rows keep ``row_depths`` (0: the row decodes plainly); ``probe``: whether a row
         keeps every depth, as a probe needs."""
         if self._forced_k is not None:
             return self._forced_k
         if self.adaptive is None:
             return self.drafter.num_tokens
-        return self.adaptive.choose(bucket, share, probe)
+        return self.adaptive.choose(bucket, row_depths, probe)
 
     def _probe_soon(self, bucket: int) -> bool:
         """Whether adaptive k probes ``bucket`` before a lag started now could outgrow
@@ -551,7 +551,7 @@ class Engine:
         if self.adaptive.best_k(bucket) != 0:
             if self.adaptive.drafting_pays_for(bucket, len(r.token_ids), new_tokens):
                 return False
-            if self.adaptive.best_k(bucket, 1 / bucket) == 0:
+            if self.adaptive.best_k(bucket, [self.drafter.lookahead] + [0] * (bucket - 1)) == 0:
                 # drafting alone among plain rows it would only lag until the probe, which the whole
                 # batch pays for; where the rows draft together, admission decides, not probes
                 return True
@@ -574,11 +574,10 @@ class Engine:
         steps = new_tokens / self.adaptive.expected_tokens(self.adaptive.best_k(bucket))
         if self.adaptive.steps_to_probe(bucket) <= steps and not any(_keeps_every_depth(o) for o in self.running):
             return None
-        P = self.drafter.lookahead
         # the groups a request keeps to fewer depths may join (those with every depth carry probes)
         running = {o.draft_depths for o in self.running if o.draft_depths is not None and not o.drafting_off}
-        depths = self.adaptive.depths_for(bucket, len(r.token_ids), new_tokens, P, running)
-        return None if depths >= P else depths
+        depths = self.adaptive.depths_for(bucket, len(r.token_ids), new_tokens, running)
+        return None if depths >= self.drafter.lookahead else depths
 
     def _draft(self, spans: list[DraftSpan], num_rows: int) -> None:
         """Propose the next drafts of ``spans`` into their requests' slots. With adaptive k at 0
@@ -587,8 +586,11 @@ class Engine:
         comes with no probe due before its lag could fill, stops drafting for good. ``num_rows``:
         the step's batch (its verify rows), whose bucket adaptive k chooses for."""
         bucket = bucket_for(num_rows, self.config.batch_buckets)
-        probe = any(_keeps_every_depth(cast(Request, s.request)) for s in spans)
-        k = self._round_k(bucket, len(spans) / num_rows, probe)  # num_rows >= len(spans) (step())
+        requests = [cast(Request, s.request) for s in spans]
+        probe = any(_keeps_every_depth(r) for r in requests)
+        # rows of the step that decode plainly: num_rows >= len(spans) (step())
+        row_depths = [self._depths_kept(r) for r in requests] + [0] * (num_rows - len(spans))
+        k = self._round_k(bucket, row_depths, probe)
         if k == 0 and self.drafter.needs_hidden:
             probe_soon = self._probe_soon(bucket)
             for s in spans:
@@ -622,6 +624,10 @@ class Engine:
             dynamic = prompts + dynamic
         if dynamic:
             self._propose_into_slots([_with_lag(s) for s in dynamic], k, static=False)
+
+    def _depths_kept(self, r: Request) -> int:
+        """The MTP depths ``r`` drafts with (:meth:`_admission_depths`; every one unless limited)."""
+        return self.drafter.lookahead if r.draft_depths is None else r.draft_depths
 
     def _propose_into_slots(self, spans: list[DraftSpan], k: int, static: bool) -> None:
         """Drafting rounds over ``spans`` at ``k`` (at most a request's depths), one per number of

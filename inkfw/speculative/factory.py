@@ -306,6 +306,6 @@ def build_engine(cfg: Any, model=None, tokenizer=None) -> tuple[Engine, Any]:
     if adaptive_requested(cfg) and drafter.num_tokens > 0:
         from inkfw.speculative.adaptive import AdaptiveK
 
-        adaptive = AdaptiveK(drafter.num_tokens)
+        adaptive = AdaptiveK(drafter.num_tokens, lookahead=drafter.lookahead)
     engine = Engine(model, drafter, verifier, kv, sampler=sampler, config=ec, tokenizer=tokenizer, adaptive=adaptive)
     return engine, tokenizer
