@@ -297,22 +297,6 @@ def test_rows_kept_to_fewer_depths_cap_what_a_wider_k_buys():
     assert adaptive.best_k(4) == 0  # 1.7 / (1.2 + 1.7 * 0.3) = 0.99
 
 
-def test_whether_to_draft_at_all_asks_every_number_of_depths():
-    """k_max = P = 4, alpha 0.8 (E(1) = 1.8). A k = 1 step costs 1.3 plain steps, and a row with
-    every depth owes 0.3 a token of catch-up: 1.8 / (1.3 + 1.8 * 0.3) = 0.98 tokens a plain step,
-    so k = 0. A row kept to 1 depth owes none: 1.8 / 1.3 = 1.38, so a request admitted now should
-    draft with 1 depth rather than decode plainly. Alone among 3 plain rows it would emit 1.2
-    tokens a row at 1.3: not worth it; at 1.05, worth it (1.14)."""
-    adaptive = AdaptiveK(max_k=4, prior_acceptance=0.8, probe_every=0, confidence=0.0)
-    adaptive.set_costs(4, [1.0, 1.3, 4.0, 4.0, 4.0], [0.0, 0.3, 0.0, 0.0, 0.0])
-    assert adaptive.best_k(4) == 0 and adaptive.best_k(4, [1]) == 1
-    assert adaptive.drafts_at(4) and not adaptive.drafts_at(4, alone=True)
-    adaptive.set_costs(4, [1.0, 1.05, 4.0, 4.0, 4.0], [0.0, 0.3, 0.0, 0.0, 0.0])
-    assert adaptive.drafts_at(4, alone=True)
-    adaptive.set_costs(4, [1.0, 2.0, 3.0, 4.0, 5.0])  # no k pays for any row
-    assert not adaptive.drafts_at(4)
-
-
 def test_drafting_must_promise_the_minimum_gain():
     """k = 1 promising 4 % more tokens/s than plain decoding (E(1) = 1.8 at 1.73 plain steps) is
     not worth the costs steps leave out: k = 0 unless ``min_gain`` allows it; 10 % is."""

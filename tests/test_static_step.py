@@ -1108,28 +1108,6 @@ def test_auto_k_prices_a_round_by_the_rows_that_draft(model):
     assert outputs(reqs) == outputs(plain)
 
 
-def test_auto_k_drafts_with_one_depth_where_every_depth_would_not_pay(model):
-    """A k = 1 step at 1.3 plain steps pays with alpha 0.8 (1.8 tokens), but not where the row
-    owes the catch-up of the depths a k = 1 round leaves behind (0.3 a token): a request with
-    every depth would decode plainly. Admission asks every number of depths, so the request
-    drafts with depth 0 only and its steps choose k = 1. Drafts match the uncached reference
-    (check_drafts) and outputs equal plain decoding."""
-    engine, _ = make_engine(model, ["drafter=mtp", "mtp.depths=3", "spec.num_tokens=auto"], check_drafts=True)
-    adaptive = engine.adaptive
-    assert isinstance(adaptive, AdaptiveK)
-    adaptive.set_costs(1, [1.0, 1.3, 3.0, 3.0], [0.0, 0.3, 0.3, 0.0], prompt_s=1e-4)
-    adaptive.probe_every, adaptive.confidence, adaptive.prior_acceptance = 0, 0.0, 0.8
-    adaptive.prior_weight = 1e9  # the estimates stay at 0.8 whatever this test model's drafts do
-    assert adaptive.best_k(1) == 0 and adaptive.best_k(1, [1]) == 1
-    prompt = prompts_of(72, 1, lo=10, hi=10)[0]
-    req = engine.add_request(prompt, max_new_tokens=8)
-    engine.generate([req])
-    assert req.draft_depths == 1 and not req.drafting_off and engine.depths_admitted == {1: 1}
-    assert set(engine.k_chosen) == {1} and engine.metrics.num_draft_tokens > 0
-    plain, _, _ = generate(model, NO_DRAFTER, [prompt], 8, check_drafts=False)
-    assert outputs([req]) == outputs(plain)
-
-
 def test_a_request_admitted_beside_decoding_ones_leaves_their_round_static(model):
     """A prompt's last chunk drafted in the same step as two decoding requests: the decoding
     requests' spans run one static round (padded to bucket 2), the prompt's an eager one of its

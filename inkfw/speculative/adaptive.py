@@ -370,15 +370,6 @@ class AdaptiveK:
         of the step keeps (0: it decodes plainly; None: every row every depth)."""
         return self.best_k_at(bucket, 0.0, row_depths) or self.best_k_at(bucket, self.confidence, row_depths)
 
-    def drafts_at(self, bucket: int, alone: bool = False) -> bool:
-        """Whether the best k at ``bucket`` (:meth:`best_k`) drafts for rows kept to some number of
-        depths ``m`` in 1..P: where every row keeps ``m``, or with ``alone``, where one row does and
-        the bucket's others decode plainly. Fewer depths owe less catch-up, so at batch 16 on the
-        CPU a row with every depth chose k = 0 (a k = 1 step at 26.7 ms owed 4.2 ms a token of
-        catch-up) where rows kept to 1 depth chose k = 1."""
-        plain = [0] * (bucket - 1) if alone else []
-        return any(self.best_k(bucket, [m, *plain]) != 0 for m in range(1, max(1, self.lookahead) + 1))
-
     def choose(self, bucket: int, row_depths: Sequence[int] | None = None, probe: bool = True) -> int:
         """k for this engine step at ``bucket`` whose rows keep ``row_depths`` (:meth:`best_k`), or
         max_k on a probe step. ``probe=False``: no row could draft max_k (each keeps fewer depths,

@@ -538,9 +538,8 @@ class Engine:
 
     def _admits_plainly(self, r: Request, bucket: int, new_tokens: int) -> bool:
         """Whether ``r``, admitted into a batch of ``bucket`` to emit ``new_tokens``, decodes
-        plainly for good (docs/design.md §5, adaptive k): where adaptive k's best at that bucket is 0
-        for rows with any number of depths (:meth:`AdaptiveK.drafts_at`), or where its remaining
-        tokens could not earn back the drafter's pass over its prompt; but not when
+        plainly for good (docs/design.md §5, adaptive k): where adaptive k's best at that bucket is 0, or where
+        its remaining tokens could not earn back the drafter's pass over its prompt; but not when
         a probe falls due soon and no other running request drafts (one is enough to observe a
         probe, and each drafting request costs the probe a pass over its prompt and its lag). A
         request admitted plainly observes nothing, so without that exception the estimates that
@@ -549,10 +548,10 @@ class Engine:
         request would only lag until the probe, which the whole batch pays for. Its prompt would
         be drafted over for nothing, and its chunks need not stop short for the drafter."""
         assert self.adaptive is not None
-        if self.adaptive.drafts_at(bucket):
+        if self.adaptive.best_k(bucket) != 0:
             if self.adaptive.drafting_pays_for(bucket, len(r.token_ids), new_tokens):
                 return False
-            if not self.adaptive.drafts_at(bucket, alone=True):
+            if self.adaptive.best_k(bucket, [self.drafter.lookahead] + [0] * (bucket - 1)) == 0:
                 # drafting alone among plain rows it would only lag until the probe, which the whole
                 # batch pays for; where the rows draft together, admission decides, not probes
                 return True
