@@ -24,7 +24,8 @@ pick the k in 0..max_k that maximises expected tokens per second.
   drafts, so the argmax is over the rows' mean tokens (:meth:`AdaptiveK.choose` takes the depths
   each row keeps). Before it did, one probe carrier among 13 rows kept to 2 depths at batch 16
   made every step verify 9 positions a row for drafts the others could not make (HumanEval's
-  first batches at 0.66-0.70x plain). Where that is k = 0, the same argmax with each ``alpha_i`` raised to its upper bound
+  first batches at 0.66-0.70x plain). Where that is k = 0, the same argmax with each
+  ``alpha_i`` raised to its upper bound
   ``alpha_i + confidence * sqrt(alpha_i (1 - alpha_i) / (seen_i + w))`` (at most 1;
   ``confidence`` 1 by default, 0 switches it off): whether to draft at all is decided
   optimistically, because k = 0 observes nothing and so cannot correct itself, while a drafting
@@ -336,17 +337,18 @@ class AdaptiveK:
         k. Every row pays the step of the widest row's drafts, and a row whose ``min(m, P)``
         depths a shallow step at ``k`` leaves behind owes ``(min(m, P) - k) / (P - k)`` of the
         catch-up measured for all ``P - k``."""
-        rows = row_depths or [self.lookahead]
         P, expected = self.lookahead, self.expected_tokens_all(acceptance)
-        caps = [self.max_k if m >= P else m for m in rows]  # the drafts each row takes at most
+        kinds = Counter(min(m, P) for m in row_depths or [P])  # depths kept -> rows (a few kinds)
+        n = sum(kinds.values())
+        caps = {m: self.max_k if m >= P else m for m in kinds}  # the drafts each kind takes at most
         step_s = self.step_costs(bucket)
         later = self._catch_up_of(bucket) or [0.0] * len(step_s)
         tokens, seconds = [], []
         for k in range(self.max_k + 1):
-            width = min(k, max(caps))  # the drafts of the step's widest row
-            owed = sum(expected[width] * (min(m, P) - width) / (P - width) for m in rows if width < min(m, P))
-            tokens.append(sum(expected[min(k, c)] for c in caps) / len(rows))
-            seconds.append(step_s[width] + later[width] * owed / len(rows))
+            width = min(k, max(caps.values()))  # the drafts of the step's widest row
+            owed = sum(c * expected[width] * (m - width) / (P - width) for m, c in kinds.items() if width < m)
+            tokens.append(sum(c * expected[min(k, caps[m])] for m, c in kinds.items()) / n)
+            seconds.append(step_s[width] + later[width] * owed / n)
         return tokens, seconds
 
     def _best_of(self, tokens: Sequence[float], step_s: Sequence[float]) -> int:
