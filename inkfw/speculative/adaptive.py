@@ -297,22 +297,11 @@ class AdaptiveK:
         larger = [b for b in self.costs if b > bucket]
         return min(larger) if larger else max(self.costs)
 
-    def costs_now(self, bucket: int, expected: Sequence[float] | None = None) -> list[float]:
-        """Seconds of a step at k = 0..max_k with today's estimates: :meth:`step_costs` plus the
-        catch-up its ``E(k)`` emitted tokens cost later (:meth:`set_costs`, measured with the same
-        bucket's step costs)."""
-        step_s = self.step_costs(bucket)
-        later = self._catch_up_of(bucket)
-        if later is None:
-            return step_s
-        expected = self.expected_tokens_all() if expected is None else expected
-        return [s + e * c for s, e, c in zip(step_s, expected, later)]
-
-    def _catch_up_of(self, bucket: int) -> list[float] | None:
-        """Catch-up seconds per emitted token at k = 0..max_k measured with ``bucket``'s step
-        costs (:meth:`set_costs`); None where none were measured."""
-        measured = self._measured_bucket(bucket)
-        return None if measured is None else self.catch_up.get(measured)  # costs set without set_costs: none
+    def costs_now(self, bucket: int) -> list[float]:
+        """Seconds of a step at k = 0..max_k with today's estimates where every row keeps every
+        depth: :meth:`step_costs` plus the catch-up its ``E(k)`` emitted tokens cost later
+        (:meth:`set_costs`, measured with the same bucket's step costs; :meth:`_row_steps`)."""
+        return self._row_steps(bucket, None)[1]
 
     def best_k_at(self, bucket: int, confidence: float = 0.0, row_depths: Sequence[int] | None = None) -> int:
         """The k maximising expected tokens/s at ``bucket`` now with every estimate at its upper
@@ -342,7 +331,8 @@ class AdaptiveK:
         n = sum(kinds.values())
         caps = {m: self.max_k if m >= P else m for m in kinds}  # the drafts each kind takes at most
         step_s = self.step_costs(bucket)
-        later = self._catch_up_of(bucket) or [0.0] * len(step_s)
+        measured = self._measured_bucket(bucket)  # catch-up measured with those costs (none: set without)
+        later = (None if measured is None else self.catch_up.get(measured)) or [0.0] * len(step_s)
         tokens, seconds = [], []
         for k in range(self.max_k + 1):
             width = min(k, max(caps.values()))  # the drafts of the step's widest row
@@ -493,7 +483,7 @@ class AdaptiveK:
         # to emit, in steps at the best k; at best k = 0 one request of the bucket drafts for it
         # (the engine admits the others plainly), so the probe emits E(max_k) for one row only
         expected = self.expected_tokens_all()
-        step_s = self.costs_now(bucket, expected)
+        step_s = self.costs_now(bucket)
         gain = expected[self.max_k] / expected[best] if best else 1 + (expected[self.max_k] - 1) / bucket
         extra = step_s[self.max_k] / step_s[best] - gain
         paid = math.ceil(extra / self.probe_budget) if self.probe_budget > 0 and extra > 0 else 0

@@ -748,7 +748,7 @@ class Engine:
                     continue
                 break
             self.waiting.popleft()
-            self.depths_admitted[self.drafter.lookahead if r.draft_depths is None else r.draft_depths] += 1
+            self.depths_admitted[self._depths_kept(r)] += 1
             r.status = RequestStatus.RUNNING
             r.slot = self._free_slots.pop(0)
             self.running.append(r)
