@@ -346,14 +346,11 @@ COMPILE_NEW = 8
 
 @pytest.fixture(scope="module")
 def compiled(model):
-    """One compiled engine (mtp D = 2, k = 3 > D, batch 1: one verify and one draft graph),
+    """One compiled engine (mtp D = 2, k = 3 > D, batch 1: one verify and one draft-round graph,
+    and one graph per depth for the prompt rounds),
     warmed up, then run over COMPILE_PROMPTS one at a time with host reads counted per decode
     phase. Dynamo state is reset first, so its counters are this engine's."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch._dynamo.reset()
-    counters.clear()
-    try:
+    with counted_compiles():
         engine, _ = make_engine(model, mtp(2, 3), check_drafts=False, overrides=["engine.compile=true"])
         engine.warmup([1])  # compiles here, so the counted steps below run compiled code only
         outs, steps, reads = [], 0, 0
@@ -368,6 +365,18 @@ def compiled(model):
             "tables": {k[1] for k in parts(engine)[0].buffers._buffers if k[0] == "table0"},
         }
         yield engine, outs, steps, reads, stats
+
+
+@contextlib.contextmanager
+def counted_compiles():
+    """One torch thread, dynamo reset and its counters cleared: the graphs and breaks counted
+    inside are the block's own."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        yield
     finally:
         torch.set_num_threads(threads)
 
@@ -382,16 +391,17 @@ def test_compiled_greedy_equals_eager(model, compiled):
 
 
 def test_compiled_step_functions_have_no_graph_breaks(compiled):
-    """Verify and draft step functions were compiled (fullgraph=True would raise on a break)
-    into exactly one graph each, which served every table width (context length)."""
+    """Verify and draft step functions, and the prompt rounds' depth steps, were compiled
+    (fullgraph=True would raise on a break) into exactly one graph each, which served every
+    table width (context length) and prompt length."""
     engine, _, _, _, stats = compiled
     verifier, drafter = parts(engine)
     functions = list(verifier._steps.values()) + list(drafter._steps.values())
-    assert sorted(fn.name for fn in functions) == ["draft-round-k3", "verify"]
+    assert sorted(fn.name for fn in functions) == ["draft-round-k3", "span-depth-0", "span-depth-1", "verify"]
     assert all(fn.compiled and fn.warmup_s > 0 for fn in functions) and engine.warmup_s > 0
     assert stats["graph_break"] == {}
     assert stats["tables"] == {(1, 4), (1, 8)}  # the context crossed a table width ...
-    assert stats["unique_graphs"] == 2  # ... without a recompile
+    assert stats["unique_graphs"] == 4  # ... without a recompile
 
 
 def test_second_compiled_engine_on_one_model_drafts_exactly(model, compiled):
@@ -403,27 +413,127 @@ def test_second_compiled_engine_on_one_model_drafts_exactly(model, compiled):
     graphs = counters["stats"]["unique_graphs"]
     second, _ = make_engine(model, mtp(2, 3), check_drafts=False, overrides=["engine.compile=true"])
     _, drafter = parts(second)
+    proposals = record_proposals(drafter)
+    for _ in range(2):  # the first engine runs between the second's requests, as in the benchmark
+        assert one_at_a_time(second, COMPILE_PROMPTS, COMPILE_NEW) == outs
+        assert one_at_a_time(first, COMPILE_PROMPTS, COMPILE_NEW) == outs
+    assert counters["stats"]["unique_graphs"] == graphs  # the first engine's graphs served the second
+    assert sum(static for _, drafts, static in proposals if drafts) >= 2 * len(COMPILE_PROMPTS)
+    assert_drafts_are_the_reference(model, proposals, drafter)
+
+
+def record_proposals(drafter: MtpDrafter) -> list[tuple[list[int], list[int], bool]]:
+    """Wraps ``drafter.propose``: per row of every round, (committed tokens, drafts, whether the
+    round was static), appended to the list returned."""
     proposals = []
     propose = drafter.propose
 
     def recorded(spans, *args, **kwargs):
         out = propose(spans, *args, **kwargs)
+        assert out.counts is not None
         for b, span in enumerate(spans):
-            assert out.counts is not None
-            if out.counts[b] and kwargs.get("pad_to") is not None:
-                proposals.append((list(span.request.token_ids), out.tokens[b, : out.counts[b]].tolist()))
+            drafts = out.tokens[b, : out.counts[b]].tolist()
+            proposals.append((list(span.request.token_ids), drafts, kwargs.get("pad_to") is not None))
         return out
 
     drafter.propose = recorded  # type: ignore[method-assign]
-    for _ in range(2):  # the first engine runs between the second's requests, as in the benchmark
-        assert one_at_a_time(second, COMPILE_PROMPTS, COMPILE_NEW) == outs
-        assert one_at_a_time(first, COMPILE_PROMPTS, COMPILE_NEW) == outs
-    assert counters["stats"]["unique_graphs"] == graphs  # the first engine's graphs served the second
-    assert len(proposals) >= 2 * len(COMPILE_PROMPTS)
-    P, D = drafter.lookahead, drafter.num_depths
-    for committed, drafts in proposals:
-        reference = reference_draft_logits(model, torch.tensor(committed), torch.tensor(drafts), P, D)
-        assert reference.argmax(-1).tolist() == drafts
+    return proposals
+
+
+def assert_drafts_are_the_reference(model, proposals, drafter: MtpDrafter) -> None:
+    """Every recorded draft (:func:`record_proposals`) equals the uncached reference's argmax."""
+    for committed, drafts, _ in proposals:
+        if drafts:
+            reference = reference_draft_logits(
+                model, torch.tensor(committed), torch.tensor(drafts), drafter.lookahead, drafter.num_depths
+            )
+            assert reference.argmax(-1).tolist() == drafts
+
+
+SPAN_PROMPTS = [
+    [int(t) for t in torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n))]
+    for n in (5, 11, 17, 26, 3)
+]
+
+
+@pytest.fixture(scope="module")
+def compiled_spans(model):
+    """A compiled engine with k = D = 2: its prompt rounds (spans of any length) run each depth
+    as a step function of symbolic shapes. Warmed up at batch 1, then SPAN_PROMPTS one at a time
+    (graphs counted), then three together (a batch of prompt spans). Records every drafting
+    round's (committed tokens, drafts, static)."""
+    with counted_compiles():
+        engine, _ = make_engine(model, mtp(2, 2), check_drafts=False, overrides=["engine.compile=true"])
+        proposals = record_proposals(parts(engine)[1])
+        engine.warmup([1])
+        outs = one_at_a_time(engine, SPAN_PROMPTS, COMPILE_NEW)
+        graphs_one_at_a_time = counters["stats"]["unique_graphs"]
+        batch = engine.generate([engine.add_request(p, max_new_tokens=COMPILE_NEW) for p in SPAN_PROMPTS[:3]])
+        stats = {"graph_break": dict(counters["graph_break"]), "graphs_one_at_a_time": graphs_one_at_a_time}
+        yield engine, outs + [r.output_token_ids for r in batch], proposals, stats
+
+
+def test_compiled_prompt_rounds_equal_eager_and_the_reference(model, compiled_spans):
+    """Prompt rounds compiled depth by depth: greedy output equals eager and plain decoding,
+    one at a time and batched, and every draft (prompt rounds' and decode rounds') equals the
+    uncached reference."""
+    engine, outs, proposals, _ = compiled_spans
+    expected = []
+    for overrides in (mtp(2, 2), NO_DRAFTER):
+        eager, _ = make_engine(model, overrides, check_drafts=False)
+        single = one_at_a_time(eager, SPAN_PROMPTS, COMPILE_NEW)
+        batch = eager.generate([eager.add_request(p, max_new_tokens=COMPILE_NEW) for p in SPAN_PROMPTS[:3]])
+        expected.append(single + [r.output_token_ids for r in batch])
+    assert outs == expected[0] == expected[1]
+    assert sum(not static for _, drafts, static in proposals if drafts) >= len(SPAN_PROMPTS) + 3
+    assert_drafts_are_the_reference(model, proposals, parts(engine)[1])
+
+
+def test_compiled_prompt_rounds_compile_each_depth_once_for_every_span_length(compiled_spans):
+    """One graph per depth serves prompts of every length at batch 1 (the width is symbolic):
+    verify, draft round and the two depths' span steps are all the graphs one-at-a-time serving
+    needs, whatever the prompt lengths; no graph breaks. Their compile time is warm-up."""
+    engine, _, _, stats = compiled_spans
+    _, drafter = parts(engine)
+    names = sorted(fn.name for fn in drafter._steps.values())
+    assert names == ["draft-round-k2", "span-depth-0", "span-depth-1"]
+    assert stats["graph_break"] == {}
+    assert stats["graphs_one_at_a_time"] == 4  # verify, draft round, span depths 0 and 1
+    spans = [fn for fn in drafter._steps.values() if fn.name.startswith("span")]
+    assert all(fn.compiled and fn.dynamic_dims and fn.warmup_s > 0 for fn in spans)
+
+
+def test_dynamic_step_dimensions_compile_once_and_count_warmup_once():
+    """``StepFunction(dynamic_dims=...)``: widths 3..9 share one graph (sizes 0 and 1 are
+    dynamo's specialisations: width 1 gets its own), fresh input tensors every call are no new
+    warm-up, and CUDA graphs, which have one shape, refuse dynamic dimensions."""
+    torch._dynamo.reset()
+    counters.clear()
+
+    def step(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return x.sum(-1) + table.sum(-1)  # [B]
+
+    fn = StepFunction(step, "test-span", compile=True, tables_from=2, dynamic_dims=[(0, 0), (0, 1), (1, 0), (1, 1)])
+    for rows, width, blocks in [(2, 3, 4), (2, 5, 4), (3, 7, 5), (2, 9, 8), (2, 1, 4)]:
+        assert (
+            fn(torch.ones(rows, width), torch.ones(rows, blocks, dtype=torch.long)).tolist() == [width + blocks] * rows
+        )
+    assert counters["stats"]["unique_graphs"] == 2
+    assert len(fn._seen) == 2
+    with pytest.raises(ValueError, match="one shape"):
+        StepFunction(step, "test-span", compile=True, cuda_graphs=True, dynamic_dims=[(0, 1)])
+
+
+def test_eager_rounds_keep_no_buffer_per_span_length(model):
+    """Rounds over spans of any length (prompt chunks) stage their inputs in buffers of their
+    own: the drafter's persistent buffers hold only static rounds' shapes, however many prompt
+    lengths it meets (a [B, T, H] buffer per length would grow without bound in a server)."""
+    engine, _ = make_engine(model, mtp(2, 2), check_drafts=False)
+    _, drafter = parts(engine)
+    lengths = list(range(4, 40, 3))
+    one_at_a_time(engine, [[5 + i % 50 for i in range(n)] for n in lengths], 4)
+    hidden_widths = {key[1][1] for key in drafter.buffers._buffers if key[0] == "hidden"}
+    assert hidden_widths == {3}  # the decode rounds' k + 1
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["compiled", "compiled-graphs"])

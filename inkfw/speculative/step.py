@@ -247,13 +247,27 @@ class StepFunction:
     it afterwards; the inputs must be the same persistent tensors each time
     (:class:`StepBuffers`), and the outputs are the graph's own tensors, overwritten by the next
     replay. ``warmup_s`` adds up compile and capture time.
+
+    ``dynamic_dims``: ``(argument, dimension)`` pairs left symbolic when compiled (spans of any
+    length, eager-shaped rounds: :meth:`MtpDrafter.round <inkfw.speculative.drafters.mtp.MtpDrafter.round>`).
+    Dynamo still specialises sizes 0 and 1, so such a function compiles at most one graph per
+    pattern of sizes <= 1 in those dimensions. Not with ``cuda_graphs`` (a capture is one shape).
     """
 
     def __init__(
-        self, fn: Callable[..., Any], name: str, compile: bool = False, cuda_graphs: bool = False, tables_from: int = 0
+        self,
+        fn: Callable[..., Any],
+        name: str,
+        compile: bool = False,
+        cuda_graphs: bool = False,
+        tables_from: int = 0,
+        dynamic_dims: Sequence[tuple[int, int]] = (),
     ):
+        if dynamic_dims and cuda_graphs:
+            raise ValueError(f"step function {name}: a CUDA graph has one shape, it takes no dynamic dimensions")
         self.name = name
         self.tables_from = tables_from  # args from here on are block tables [B, W] and bases [B]
+        self.dynamic_dims = tuple(dynamic_dims)
         self.eager = fn
         if compile:
             _raise_recompile_limit()
@@ -287,8 +301,21 @@ class StepFunction:
         storage (a new persistent buffer is a new capture)."""
         return tuple((tuple(a.shape), a.dtype, a.data_ptr()) for a in args)
 
+    def _key(self, args: Sequence[torch.Tensor]) -> tuple:
+        """:meth:`shape_key`, or with dynamic dimensions: shapes and dtypes, each dynamic size
+        counted as 0, 1 or more (what dynamo specialises on), the inputs' storage left out."""
+        if not self.dynamic_dims:
+            return self.shape_key(args)
+        sizes = [list(a.shape) for a in args]
+        for i, d in self.dynamic_dims:
+            sizes[i][d] = min(sizes[i][d], 2)
+        return tuple((tuple(s), a.dtype) for s, a in zip(sizes, args))
+
     def _call(self, args: tuple[torch.Tensor, ...]) -> Any:
-        key = self.shape_key(args)
+        key = self._key(args)
+        if self.compiled:  # fresh tensors each call: dynamo reads the marks when it (re)compiles
+            for i, d in self.dynamic_dims:
+                torch._dynamo.maybe_mark_dynamic(args[i], d)
         if key in self._seen:
             if not self.cuda_graphs:
                 return self.fn(*args)
@@ -360,10 +387,23 @@ class StepModes:
     def warmup_s(self) -> float:
         return sum(f.warmup_s for f in self._steps.values())
 
-    def _step_function(self, key: Hashable, fn: Callable[..., Any], name: str, tables_from: int) -> StepFunction:
-        """The step function for ``key``: ``fn`` wrapped in the current mode on first use."""
+    def _step_function(
+        self,
+        key: Hashable,
+        fn: Callable[..., Any],
+        name: str,
+        tables_from: int,
+        dynamic_dims: Sequence[tuple[int, int]] = (),
+    ) -> StepFunction:
+        """The step function for ``key``: ``fn`` wrapped in the current mode on first use
+        (``dynamic_dims``: compiled with those dimensions symbolic, never graph-captured)."""
         if key not in self._steps:
             self._steps[key] = StepFunction(
-                fn, name, compile=self._compile, cuda_graphs=self._cuda_graphs, tables_from=tables_from
+                fn,
+                name,
+                compile=self._compile,
+                cuda_graphs=self._cuda_graphs and not dynamic_dims,
+                tables_from=tables_from,
+                dynamic_dims=dynamic_dims,
             )
         return self._steps[key]

@@ -279,7 +279,7 @@ def slow_first_calls(monkeypatch, seconds: float) -> None:
     first_call = StepFunction._call
 
     def compiling(self, args):
-        key = StepFunction.shape_key(args)
+        key = self._key(args)
         if key not in self._seen:
             self._seen.add(key)
             time.sleep(seconds)

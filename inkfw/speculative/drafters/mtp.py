@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,7 @@ from inkfw.speculative.interfaces import Drafts, DraftSpan, ForwardRunner, KVMan
 from inkfw.speculative.observers import run_directly
 from inkfw.speculative.sampling import Sampler
 from inkfw.speculative.step import (
+    MIN_PREFILL_WIDTH,
     StepBuffers,
     StepFunction,
     StepModes,
@@ -222,7 +224,9 @@ class MtpDrafter(StepModes):
         static_width = 0 if pad_to is None else self.num_tokens + 1
         if static_width and max(lengths) > static_width:  # prompt chunks
             static_width = prefill_width(max(lengths))
-        T = max(*lengths, static_width)
+        # compiled rounds of spans of any length are at least 16 wide: dynamo specialises a width of 1
+        # (and its graphs of some depths test T != 2), so shorter spans would compile graphs of their own
+        T = max(*lengths, static_width, MIN_PREFILL_WIDTH if self._compile and pad_to is None else 1)
         Th = max(static_width, *(len(h) for h in hiddens))
         E = T + max(K, P)  # ext width: depth s reads ext[:, s : s + T], drafts land up to T + K
         ext = []
@@ -244,7 +248,11 @@ class MtpDrafter(StepModes):
         rows = torch.stack(hiddens) if same else pad_sequence(list(hiddens), batch_first=True)  # [n, longest, H]
         hidden = F.pad(rows, (0, 0, 0, Th - longest, 0, pad))  # [B, Th, H]
 
-        stage = self.buffers.stage
+        # a static round's inputs live in persistent buffers (one set per shape: what graph replay
+        # needs); a round of any span length gets its own, dropped after it, or the drafter would
+        # keep a [B, T, H] buffer for every span length it ever met
+        buffers = self.buffers if pad_to is not None else StepBuffers(self.device)
+        stage = buffers.stage
         # decode positions are computed here on the host: positions computed inside a compiled graph
         # next to the cache's slot-tag writes miscompiled on CPU (torch 2.13 inductor)
         n_dec = max(0, K - P)
@@ -267,8 +275,8 @@ class MtpDrafter(StepModes):
                     kv.group_indices(d), rids + [None] * pad, starts, last_end, width=table_width, stage=stage
                 )
             )
-        args = (self.buffers.stage("hidden", hidden, hidden.dtype), *rows_t, *table_args)
-        self.buffers.flush()  # the staged host values, one copy per dtype
+        args = (stage("hidden", hidden, hidden.dtype), *rows_t, *table_args)
+        buffers.flush()  # the staged host values, one copy per dtype
 
         params = [s.request.sampling for s in spans]
         greedy = all(p.greedy for p in params)
@@ -277,13 +285,13 @@ class MtpDrafter(StepModes):
             return Drafts(
                 tokens[: len(spans)], torch.tensor(wants[: len(spans)], device=self.device), counts=wants[: len(spans)]
             )
-        if greedy and not keep_logits:
-            tokens = run(self.round, kv, K, depths_run, None, *args)
+        if greedy and not keep_logits:  # spans of any length; compiled, each depth over the span is a graph
+            tokens = run(self.round, kv, K, depths_run, None, self._compile, *args)
             return Drafts(
                 tokens[: len(spans)], torch.tensor(wants[: len(spans)], device=self.device), counts=wants[: len(spans)]
             )
         chooser = _SampledChooser(self.sampler, spans, wants, keep_logits, pad)
-        tokens = run(self.round, kv, K, depths_run, chooser, *args)
+        tokens = run(self.round, kv, K, depths_run, chooser, False, *args)
         probs = chooser.stacked_probs(tokens) if not greedy else None
         logits = chooser.stacked_logits() if keep_logits else None
         n = len(spans)
@@ -297,17 +305,53 @@ class MtpDrafter(StepModes):
 
     def _round_function(self, kv: KVManager, K: int, depths_run: int, num_table_args: int) -> StepFunction:
         def greedy_round(*args: torch.Tensor) -> torch.Tensor:
-            return self.round(kv, K, depths_run, None, *args)
+            return self.round(kv, K, depths_run, None, False, *args)
 
         name = f"draft-round-k{K}" + ("" if depths_run == self.lookahead else "-shallow")
         return self._step_function((K, depths_run, num_table_args), greedy_round, name, tables_from=10)
 
+    def _span_depth_function(self, kv: KVManager, depth: int, num_table_args: int) -> StepFunction:
+        """:meth:`span_depth` as a step function with the batch and span width symbolic (rounds
+        over spans of any length: prompt chunks, lags, catch-ups), one per depth."""
+
+        def span_depth_step(*args: torch.Tensor) -> torch.Tensor:
+            return self.span_depth(kv, depth, *args)
+
+        # g [B, T, H], ext [B, T + max(K, P)], positions / valid [B, T], then tables [B, W] / bases [B]
+        dims = [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1)]
+        for i in range(4, 4 + num_table_args):
+            dims += [(i, 0), (i, 1)] if i % 2 == 0 else [(i, 0)]
+        return self._step_function(
+            ("span", depth, num_table_args), span_depth_step, f"span-depth-{depth}", 4 + num_table_args, dims
+        )
+
+    def span_depth(
+        self, kv: KVManager, depth: int, g: torch.Tensor, ext: torch.Tensor, *args: torch.Tensor
+    ) -> torch.Tensor:
+        """Prefill step ``depth`` of a round: the depth over the span, from the hidden states g
+        [B, T, H] of the step before and the tokens ``ext[:, depth : depth + T]``; ``args``:
+        positions [B, T], valid [B, T], then the depth's table arguments. Returns g [B, T, H]."""
+        positions, valid, *tables = args
+        T = g.shape[1]
+        cache = kv.caches_from(table_views(kv.group_indices(depth), tables), positions, valid, draft_depth=depth)[0]
+        depth_input = self.kernels.mtp_depth_input if self.kernels.fused else None  # else the depth's modules
+        return self.model.mtp_step(depth, g, ext[:, depth : depth + T], positions, cache, depth_input)
+
     def round(
-        self, kv: KVManager, K: int, depths_run: int, chooser: _SampledChooser | None, *args: torch.Tensor
+        self,
+        kv: KVManager,
+        K: int,
+        depths_run: int,
+        chooser: _SampledChooser | None,
+        by_depth: bool,
+        *args: torch.Tensor,
     ) -> torch.Tensor:
         """One drafting round over staged tensors (see :meth:`propose`): prefill steps of depths
         ``0 .. depths_run - 1`` (P, or K in a shallow round), then decode steps up to K; tensor
-        ops only when ``chooser`` is None (greedy). Returns draft tokens [B, K]."""
+        ops only when ``chooser`` is None (greedy). ``by_depth``: each prefill step runs as its
+        own step function (:meth:`_span_depth_function`, compiled with symbolic shapes), the
+        rest eagerly; for rounds of any span length, which one compiled graph per shape would
+        not serve. Returns draft tokens [B, K]."""
         model, P, D = self.model, depths_run, self.num_depths
         hidden, slots, starts, takes, lengths, decode_positions, decode_valid, ext, draft_at, wants = args[:10]
         tables = args[10:]
@@ -319,9 +363,12 @@ class MtpDrafter(StepModes):
             self.tail, hidden, slots, starts, takes, lengths, width=T
         )  # [B, T, H], [B, T], [B, T], [B]
 
-        def depth_tables(d: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        def depth_table_args(d: int) -> tuple[torch.Tensor, ...]:  # the table arguments of depth d's groups
             at = 2 * sum(len(kv.group_indices(e)) for e in range(d))
-            return table_views(kv.group_indices(d), tables[at:])
+            return tables[at : at + 2 * len(kv.group_indices(d))]
+
+        def depth_tables(d: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+            return table_views(kv.group_indices(d), depth_table_args(d))
 
         tokens = torch.zeros(B, K, dtype=torch.long, device=device)
         depth_input = self.kernels.mtp_depth_input if self.kernels.fused else None  # else the depth's modules
@@ -335,8 +382,11 @@ class MtpDrafter(StepModes):
         # ---- prefill steps: depth s over the whole span (every round, so each depth's cache stays whole;
         # a shallow round's deeper depths run over its positions in a later round's span)
         for s in range(P):
-            cache = kv.caches_from(depth_tables(s), positions, valid, draft_depth=s)[0]
-            g = model.mtp_step(s, g, ext[:, s : s + T], positions, cache, depth_input)  # [B, T, H]
+            table_args = depth_table_args(s)
+            span_depth = (
+                self._span_depth_function(kv, s, len(table_args)) if by_depth else partial(self.span_depth, kv, s)
+            )
+            g = span_depth(g, ext, positions, valid, *table_args)  # [B, T, H]
             if s < K:
                 choose(s, model.logits(g[rows, last]))
 
