@@ -224,9 +224,14 @@ class MtpDrafter(StepModes):
         static_width = 0 if pad_to is None else self.num_tokens + 1
         if static_width and max(lengths) > static_width:  # prompt chunks
             static_width = prefill_width(max(lengths))
-        # compiled rounds of spans of any length are at least 16 wide: dynamo specialises a width of 1
-        # (and its graphs of some depths test T != 2), so shorter spans would compile graphs of their own
-        T = max(*lengths, static_width, MIN_PREFILL_WIDTH if self._compile and pad_to is None else 1)
+        # a greedy round over spans of any length, compiled, runs each depth over the span as a graph
+        # of symbolic shapes (with CUDA graphs only re-spans and lags are such rounds: they stay eager,
+        # as captured graphs and symbolic shapes are combined nowhere else). Its spans are at least 16
+        # wide: dynamo specialises a width of 1 (and some depths' graphs test T != 2), so shorter
+        # spans would compile graphs of their own
+        greedy = all(s.request.sampling.greedy for s in spans)
+        by_depth = self._compile and not self._cuda_graphs and pad_to is None and greedy and not keep_logits
+        T = max(*lengths, static_width, MIN_PREFILL_WIDTH if by_depth else 1)
         Th = max(static_width, *(len(h) for h in hiddens))
         E = T + max(K, P)  # ext width: depth s reads ext[:, s : s + T], drafts land up to T + K
         ext = []
@@ -278,15 +283,13 @@ class MtpDrafter(StepModes):
         args = (stage("hidden", hidden, hidden.dtype), *rows_t, *table_args)
         buffers.flush()  # the staged host values, one copy per dtype
 
-        params = [s.request.sampling for s in spans]
-        greedy = all(p.greedy for p in params)
         if greedy and not keep_logits and pad_to is not None:  # a static round: compiled / graph-captured
             tokens = run(self._round_function(kv, K, depths_run, len(table_args)), *args)
             return Drafts(
                 tokens[: len(spans)], torch.tensor(wants[: len(spans)], device=self.device), counts=wants[: len(spans)]
             )
-        if greedy and not keep_logits:  # spans of any length; compiled, each depth over the span is a graph
-            tokens = run(self.round, kv, K, depths_run, None, self._compile, *args)
+        if greedy and not keep_logits:
+            tokens = run(self.round, kv, K, depths_run, None, by_depth, *args)
             return Drafts(
                 tokens[: len(spans)], torch.tensor(wants[: len(spans)], device=self.device), counts=wants[: len(spans)]
             )
