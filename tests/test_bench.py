@@ -24,7 +24,14 @@ from inkfw.bench.exactness import ExactnessCheck, differing_requests, first_diff
 from inkfw.bench.hf_baseline import HfBaseline
 from inkfw.bench.plan import BenchRun, interleaved_batches, plan_runs, round_order
 from inkfw.bench.prompt_sets import batch_requests, load_prompt_set
-from inkfw.bench.run import adaptive_predicted_speedup, add_repeat_ratios, add_speedups, bench_options, hf_load_kwargs
+from inkfw.bench.run import (
+    adaptive_predicted_speedup,
+    add_repeat_ratios,
+    add_speedups,
+    bench_options,
+    hf_load_kwargs,
+    shared_max_model_len,
+)
 from inkfw.bench.timing import predicted_speedup
 from inkfw.errors import ConfigError
 from inkfw.eval_acceptance import humaneval_prompts
@@ -212,6 +219,17 @@ def _row(system, drafter, tps, mode="eager", batch=1, **extra):
         "tokens_per_s": tps,
         **extra,
     }
+
+
+def test_engines_of_benches_over_other_prompts_share_one_length():
+    """max_model_len sizes the KV pools the compiled graphs are specialised on: needs within one
+    power of two get the same length (inductor's cache serves them all), never below the need,
+    never above the model's limit."""
+    assert shared_max_model_len(150, 2048) == shared_max_model_len(250, 2048) == 256
+    assert shared_max_model_len(257, 2048) == shared_max_model_len(512, 2048) == 512
+    assert shared_max_model_len(513, 2048) == 1024
+    assert shared_max_model_len(1500, 2048) == 2048 and shared_max_model_len(1500, 1600) == 1600
+    assert all(n <= shared_max_model_len(n, 4096) < 2 * max(n, 256) for n in range(1, 4097))
 
 
 def test_speedups_and_predicted_speedup():
