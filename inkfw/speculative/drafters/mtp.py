@@ -230,7 +230,8 @@ class MtpDrafter(StepModes):
         # wide: dynamo specialises a width of 1 (and some depths' graphs test T != 2), so shorter
         # spans would compile graphs of their own
         greedy = all(s.request.sampling.greedy for s in spans)
-        by_depth = self._compile and not self._cuda_graphs and pad_to is None and greedy and not keep_logits
+        tensor_ops_only = greedy and not keep_logits  # no draws, no logits kept: a round of tensor ops
+        by_depth = self._compile and not self._cuda_graphs and pad_to is None and tensor_ops_only
         T = max(*lengths, static_width, MIN_PREFILL_WIDTH if by_depth else 1)
         Th = max(static_width, *(len(h) for h in hiddens))
         E = T + max(K, P)  # ext width: depth s reads ext[:, s : s + T], drafts land up to T + K
@@ -283,20 +284,19 @@ class MtpDrafter(StepModes):
         args = (stage("hidden", hidden, hidden.dtype), *rows_t, *table_args)
         buffers.flush()  # the staged host values, one copy per dtype
 
-        if greedy and not keep_logits and pad_to is not None:  # a static round: compiled / graph-captured
-            tokens = run(self._round_function(kv, K, depths_run, len(table_args)), *args)
-            return Drafts(
-                tokens[: len(spans)], torch.tensor(wants[: len(spans)], device=self.device), counts=wants[: len(spans)]
+        probs = logits = None
+        if tensor_ops_only:  # static rounds compiled / graph-captured; others by depth or eager
+            round_fn = (
+                self._round_function(kv, K, depths_run, len(table_args))
+                if pad_to is not None
+                else partial(self.round, kv, K, depths_run, None, by_depth)
             )
-        if greedy and not keep_logits:
-            tokens = run(self.round, kv, K, depths_run, None, by_depth, *args)
-            return Drafts(
-                tokens[: len(spans)], torch.tensor(wants[: len(spans)], device=self.device), counts=wants[: len(spans)]
-            )
-        chooser = _SampledChooser(self.sampler, spans, wants, keep_logits, pad)
-        tokens = run(self.round, kv, K, depths_run, chooser, False, *args)
-        probs = chooser.stacked_probs(tokens) if not greedy else None
-        logits = chooser.stacked_logits() if keep_logits else None
+            tokens = run(round_fn, *args)
+        else:
+            chooser = _SampledChooser(self.sampler, spans, wants, keep_logits, pad)
+            tokens = run(self.round, kv, K, depths_run, chooser, False, *args)
+            probs = chooser.stacked_probs(tokens) if not greedy else None
+            logits = chooser.stacked_logits() if keep_logits else None
         n = len(spans)
         return Drafts(
             tokens[:n],
