@@ -105,6 +105,7 @@ from inkfw.reporting import (
 from inkfw.speculative.engine import Engine, StepTimes
 from inkfw.speculative.factory import build_engine, drafter_kind, load_tokenizer, serving_config
 from inkfw.speculative.metrics import SpecMetrics
+from inkfw.speculative.step import power_of_two_bucket
 
 
 # ------------------------------------------------------------------------ options
@@ -254,7 +255,7 @@ def shared_max_model_len(needed: int, limit: int) -> int:
     graphs are specialised on, so inductor's on-disk cache serves a graph only to engines of the
     same length: rounded, benches over other prompt sets or counts reuse the graphs compiled
     before (plain decoding's warm-up: 7 s against 65 s cold on the shipped checkpoint, CPU)."""
-    return min(limit, max(256, 1 << (needed - 1).bit_length()))
+    return min(limit, power_of_two_bucket(needed, 256))
 
 
 def case_config(cfg: Any, run: BenchRun, max_model_len: int) -> Any:

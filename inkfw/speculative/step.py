@@ -120,7 +120,7 @@ MIN_TABLE_WIDTH = 4  # blocks: short contexts share one shape
 MIN_PREFILL_WIDTH = 16  # tokens: short prompt chunks share one shape
 
 
-def _power_of_two_bucket(n: int, smallest: int) -> int:
+def power_of_two_bucket(n: int, smallest: int) -> int:
     """The next power of two >= ``n``, at least ``smallest``."""
     return max(smallest, 1 << max(0, n - 1).bit_length())
 
@@ -128,13 +128,13 @@ def _power_of_two_bucket(n: int, smallest: int) -> int:
 def prefill_width(tokens: int) -> int:
     """Width of a static prompt-chunk batch whose longest chunk has ``tokens`` tokens: the next
     power of two, at least :data:`MIN_PREFILL_WIDTH`."""
-    return _power_of_two_bucket(tokens, MIN_PREFILL_WIDTH)
+    return power_of_two_bucket(tokens, MIN_PREFILL_WIDTH)
 
 
 def table_width(blocks: int) -> int:
     """Block-table width for a row that needs ``blocks`` blocks: the next power of two, at least
     :data:`MIN_TABLE_WIDTH`."""
-    return _power_of_two_bucket(blocks, MIN_TABLE_WIDTH)
+    return power_of_two_bucket(blocks, MIN_TABLE_WIDTH)
 
 
 def flat_tables(tables: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
