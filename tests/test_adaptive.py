@@ -375,6 +375,25 @@ def test_probes_at_best_k_zero_are_priced_for_one_drafting_row():
     assert adaptive.probe_interval(16, 0) == math.ceil((4.5 - (1 + 0.984375 / 16)) / 0.05) == 69
 
 
+def test_probes_are_priced_with_their_carriers_pass_over_the_deeper_depths():
+    """A probe needs a request that keeps every depth, where one kept to the best k's depths would
+    not pass over its prompt with the others. With 4 depths, best k = 2 (acceptance 0.9: E(2) =
+    2.71, E(4) = 4.0951) and a pass of 0.01 s per position with all 4, a carrier admitted over
+    100-position prompts (the mean of 50 and 150) spends 100 * 0.01 * 2 / 4 = 0.5 s more: 0.28
+    steps at k = 2 on top of the probe's own 3.0 / 1.8 - 4.0951 / 2.71 = 0.16. With 1 % of the time
+    for probes, one every 44 steps, against 16 before any request was admitted."""
+    adaptive = AdaptiveK(max_k=4, prior_acceptance=0.9, decay=1.0, probe_every=1, probe_budget=0.01, confidence=0.0)
+    adaptive.set_costs(1, [1.0, 1.5, 1.8, 2.5, 3.0], prompt_s=0.01)
+    assert adaptive.best_k(1) == 2
+    own = 3.0 / 1.8 - adaptive.expected_tokens(4) / adaptive.expected_tokens(2)
+    assert adaptive.carrier_pass_s(1, 2) == 0.0 and adaptive.probe_interval(1, 2) == math.ceil(own / 0.01) == 16
+    adaptive.note_admission(50)
+    adaptive.note_admission(150)
+    assert adaptive.carrier_pass_s(1, 2) == pytest.approx(0.5)
+    assert adaptive.carrier_pass_s(1, 4) == 0.0 and adaptive.carrier_pass_s(1, 0) == pytest.approx(1.0)
+    assert adaptive.probe_interval(1, 2) == math.ceil((own + 0.5 / 1.8) / 0.01) == 44
+
+
 def test_probes_back_off_while_the_best_k_stays():
     """Each probe after which the best k is unchanged and settled doubles the interval (up to
     2**max_backoff); a change of the best k resets it."""

@@ -1076,7 +1076,8 @@ def test_auto_k_drafts_for_a_request_only_where_its_tokens_earn_back_its_prompt_
     """k = 3 best (every k costs a plain step; priced optimistically, every estimate at its upper
     bound, 1 with the prior alone, so E(3) = 4): each of 8 new tokens saves 0.75 plain steps, 6 in
     all. A 12-position prompt whose pass costs 12 plain steps is not drafted over, and the
-    request decodes plainly from admission; at 1.2 it drafts. Outputs equal plain decoding."""
+    request decodes plainly from admission; at 1.2 it drafts, and is recorded as an admission
+    to draft (what probes' carriers are priced by). Outputs equal plain decoding."""
     engine, _ = make_engine(model, ["drafter=mtp", "mtp.depths=3", "spec.num_tokens=auto"], check_drafts=False)
     adaptive = engine.adaptive
     assert isinstance(adaptive, AdaptiveK)
@@ -1087,6 +1088,8 @@ def test_auto_k_drafts_for_a_request_only_where_its_tokens_earn_back_its_prompt_
     r = engine.add_request(prompt, max_new_tokens=8)
     engine.step()
     assert r.drafting_off != drafts
+    # a probe's carrier would pass over such a prompt: admissions to draft are what probes are priced by
+    assert adaptive.carrier_pass_s(1, 0) == pytest.approx(12 * prompt_s if drafts else 0.0)
     engine.generate([r])
     assert (engine.metrics.num_draft_tokens > 0) == drafts
     plain, _, _ = generate(model, NO_DRAFTER, [prompt], 8, check_drafts=False)

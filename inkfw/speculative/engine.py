@@ -571,6 +571,7 @@ class Engine:
         new_tokens = r.max_new_tokens - len(r.output_token_ids)
         if self._admits_plainly(r, bucket, new_tokens):
             return 0
+        self.adaptive.note_admission(len(r.token_ids))
         steps = new_tokens / self.adaptive.expected_tokens(self.adaptive.best_k(bucket))
         if self.adaptive.steps_to_probe(bucket) <= steps and not any(_keeps_every_depth(o) for o in self.running):
             return None
