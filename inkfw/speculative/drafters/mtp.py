@@ -218,12 +218,15 @@ class MtpDrafter(StepModes):
             wants.append(min(span.num_drafts, K))
             draft_at.append(len(span.request.token_ids) - start - 1)  # ext index of d_1 = x[L]
             rids.append(rid)
-        # static batches pad spans and hidden rows to k + 1 >= any span after a verify step (docs/design.md
-        # §2): one shape per (bucket, K), whatever k the verify before ran at (adaptive k); prompt
-        # chunks (CUDA graphs only) to their width bucket
-        static_width = 0 if pad_to is None else self.num_tokens + 1
-        if static_width and max(lengths) > static_width:  # prompt chunks
-            static_width = prefill_width(max(lengths))
+        # static batches pad spans and hidden rows to this round's K + 1 where every span fits (the
+        # verify before ran at K: fixed k, adaptive k that kept it), else to the drafter's k + 1 >=
+        # any span after a verify step (docs/design.md §2); prompt chunks (CUDA graphs only) to
+        # their width bucket. At most two shapes per (bucket, K)
+        static_width = 0
+        if pad_to is not None:
+            static_width = K + 1 if max(lengths) <= K + 1 else self.num_tokens + 1
+            if max(lengths) > static_width:  # prompt chunks
+                static_width = prefill_width(max(lengths))
         # a greedy round over spans of any length, compiled, runs each depth over the span as a graph
         # of symbolic shapes (with CUDA graphs only re-spans and lags are such rounds: they stay eager,
         # as captured graphs and symbolic shapes are combined nowhere else). Its spans are at least 16
