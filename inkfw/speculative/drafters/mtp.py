@@ -222,11 +222,15 @@ class MtpDrafter(StepModes):
         # verify before ran at K: fixed k, adaptive k that kept it), else to the drafter's k + 1 >=
         # any span after a verify step (docs/design.md §2); prompt chunks (CUDA graphs only) to
         # their width bucket. At most two shapes per (bucket, K)
-        static_width = 0
-        if pad_to is not None:
-            static_width = K + 1 if max(lengths) <= K + 1 else self.num_tokens + 1
-            if max(lengths) > static_width:  # prompt chunks
-                static_width = prefill_width(max(lengths))
+        widest = max(lengths)
+        if pad_to is None:
+            static_width = 0
+        elif widest <= K + 1:
+            static_width = K + 1
+        elif widest <= self.num_tokens + 1:
+            static_width = self.num_tokens + 1
+        else:  # prompt chunks
+            static_width = prefill_width(widest)
         # a greedy round over spans of any length, compiled, runs each depth over the span as a graph
         # of symbolic shapes (with CUDA graphs only re-spans and lags are such rounds: they stay eager,
         # as captured graphs and symbolic shapes are combined nowhere else). Its spans are at least 16
@@ -235,8 +239,9 @@ class MtpDrafter(StepModes):
         greedy = all(s.request.sampling.greedy for s in spans)
         tensor_ops_only = greedy and not keep_logits  # no draws, no logits kept: a round of tensor ops
         by_depth = self._compile and not self._cuda_graphs and pad_to is None and tensor_ops_only
-        T = max(*lengths, static_width, MIN_PREFILL_WIDTH if by_depth else 1)
-        Th = max(static_width, *(len(h) for h in hiddens))
+        T = max(widest, static_width, MIN_PREFILL_WIDTH if by_depth else 1)
+        longest = max(len(h) for h in hiddens)  # hidden rows of the longest span
+        Th = max(static_width, longest)
         E = T + max(K, P)  # ext width: depth s reads ext[:, s : s + T], drafts land up to T + K
         ext = []
         for span, start in zip(spans, starts):
@@ -251,7 +256,6 @@ class MtpDrafter(StepModes):
         draft_at += [0] * pad
         ext += [[0] * E] * pad
         ends = [s + n - 1 for s, n in zip(starts, lengths)]
-        longest = max(len(h) for h in hiddens)
         # decode spans all hold their verify's k + 1 rows: one stack (a pad per row otherwise)
         same = all(len(h) == longest for h in hiddens)
         rows = torch.stack(hiddens) if same else pad_sequence(list(hiddens), batch_first=True)  # [n, longest, H]
