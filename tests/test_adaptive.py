@@ -394,6 +394,32 @@ def test_probes_are_priced_with_their_carriers_pass_over_the_deeper_depths():
     assert adaptive.probe_interval(1, 2) == math.ceil((own + 0.5 / 1.8) / 0.01) == 44
 
 
+def test_probes_are_priced_as_served_where_that_costs_more_than_warm_up_said():
+    """Warm-up prices a probe as one step at max_k: with 4 depths, best k = 2 (acceptance 0.9) and
+    costs 1.8 / 3.0 at k = 2 / 4, it takes 1.67 steps at k = 2 and buys E(4) / E(2) = 1.51 steps'
+    tokens, one probe every 16 steps at 1 %. As served, its drafting step and the verify after it
+    took 2.5, then 4.0 steps that did not probe: the mean 3.25 less the one step a verify takes
+    anyway is 2.25 steps, which spaces probes 74 steps apart, the pending one rescheduled from the
+    previous probe. A measure below the priced step leaves the interval as priced."""
+    adaptive = AdaptiveK(max_k=4, prior_acceptance=0.9, decay=1.0, probe_every=1, probe_budget=0.01, confidence=0.0)
+    adaptive.set_costs(1, [1.0, 1.5, 1.8, 2.5, 3.0])
+    gain = adaptive.expected_tokens(4) / adaptive.expected_tokens(2)
+    assert adaptive.best_k(1) == 2 and adaptive.measured_probe_steps(1) is None
+    assert adaptive.probe_interval(1, 2) == math.ceil((3.0 / 1.8 - gain) / 0.01) == 16
+    picks = [adaptive.choose(1) for _ in range(16)]
+    assert picks == [2] * 15 + [4]  # the first probe, at step 16
+    adaptive.note_probe_steps(1, 2.5)  # 1.5 steps beyond a verify: less than priced
+    assert adaptive.probe_interval(1, 2) == 16
+    adaptive.note_probe_steps(1, 4.0)
+    assert adaptive.measured_probe_steps(1) == pytest.approx(3.25)
+    assert adaptive.probe_interval(1, 2) == math.ceil((2.25 - gain) / 0.01) == 74
+    picks = [adaptive.choose(1) for _ in range(80)]
+    assert [16 + i + 1 for i, k in enumerate(picks) if k == 4] == [16 + 74]
+    assert adaptive.summary()["probe_steps"] == {"1": pytest.approx(3.25)}
+    with pytest.raises(ValueError, match="finite number > 0"):
+        adaptive.note_probe_steps(1, float("nan"))
+
+
 def test_probes_back_off_while_the_best_k_stays():
     """Each probe after which the best k is unchanged and settled doubles the interval (up to
     2**max_backoff); a change of the best k resets it."""

@@ -971,6 +971,42 @@ def test_auto_k_draft_rounds_keep_one_shape_per_bucket_and_k(model, step_calls, 
         assert len(seen) == len(widths) and K + 1 in widths and widths <= {K + 1, 3}, shapes
 
 
+def test_auto_k_measures_its_probes_as_served(model):
+    """The engine times each probe as served, its drafting step and the step that verifies its
+    drafts, in the bucket's decode steps that took no part in a probe (AdaptiveK.note_probe_steps,
+    which spaces later probes by it). A step that prefills between the two drops the measure, and
+    warm-up's forced k measures nothing. Outputs equal plain decoding."""
+    prompts, new = prompts_of(40, 1), 24
+    engine, _ = make_engine(model, AUTO, check_drafts=False)
+    adaptive = engine.adaptive
+    assert isinstance(adaptive, AdaptiveK)
+    adaptive.set_costs(1, [1.0, 1.0, 2.0])  # k = 1 unless probing
+    adaptive.probe_every, adaptive.probe_budget, adaptive.max_backoff = 3, 0.0, 0
+    reqs = [engine.add_request(p, max_new_tokens=new) for p in prompts]
+    engine.generate(reqs)
+    plain, _, _ = generate(model, NO_DRAFTER, prompts, new, check_drafts=False)
+    assert outputs(reqs) == outputs(plain)
+    assert adaptive.probes >= 2 and engine._typical_step_s[1] > 0
+    measured = adaptive.measured_probe_steps(1)
+    assert measured is not None and measured > 0
+    # the measure itself, with steps of known seconds
+    engine._typical_step_s, adaptive._probe_steps = {}, {}
+    for seconds in (1.0, 1.0):
+        engine._time_probe(seconds, 1, probed=False)
+    engine._time_probe(3.0, 1, probed=True)  # a probe's drafting step
+    engine._time_probe(2.0, 1, probed=False)  # the verify of its drafts
+    assert adaptive.measured_probe_steps(1) == pytest.approx(5.0) and engine._typical_step_s == {1: 1.0}
+    engine._time_probe(3.0, 1, probed=True)
+    engine._time_probe(9.0, None, probed=False)  # a step that prefilled
+    engine._time_probe(2.0, 1, probed=False)  # an ordinary step again
+    assert adaptive.measured_probe_steps(1) == pytest.approx(5.0)
+    assert engine._typical_step_s[1] == pytest.approx(0.95 + 0.05 * 2.0)
+    engine._forced_k = 2
+    engine._time_probe(3.0, 1, probed=True)
+    engine._time_probe(2.0, 1, probed=False)
+    assert adaptive.measured_probe_steps(1) == pytest.approx(5.0) and engine._probe_pair is None
+
+
 @pytest.mark.parametrize(("probe_due", "defer_limit"), [(True, 0), (True, 64), (False, 64)])
 def test_auto_k_stops_drafting_for_good(model, monkeypatch, probe_due, defer_limit):
     """k = 0 best and no probes ever run. With a probe due soon (``probe_due``) the first

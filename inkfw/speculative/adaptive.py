@@ -84,6 +84,11 @@ pick the k in 0..max_k that maximises expected tokens per second.
   (P - b) / P``. Without it, a probe every 32 steps at batch 1 (compiled, stdlib prompts) cost
   about 10 % of decode time, not 2 %: nearly every request carried every depth, and each probe
   also ran the deferred depths over every position since the last (20 ms, against a 5 ms step).
+  That catch-up is an eager round that warm-up's static step at ``max_k`` leaves out, so the
+  engine also times probes as served (:meth:`AdaptiveK.note_probe_steps`): a probe's drafting
+  step and the verify after it, in steps that did not probe. That less one step replaces
+  ``step_s[max_k] / step_s[b]`` in the price where it is larger (at batch 1 compiled, HumanEval,
+  the two took 6.0 steps where the costs said 1 + 1.7: half as many probes).
   At ``b = 0`` only one request of the bucket drafts for a probe (the engine admits the others
   plainly), so its tokens are ``1 + (E(max_k) - 1) / bucket`` per row instead of ``E(max_k)``.
   ``backoff`` counts the probes in a row at which the best k was what it had been at the probe
@@ -206,6 +211,8 @@ class AdaptiveK:
         self.steps: Counter[int] = Counter()  # bucket -> steps (choose() and plain_step() calls)
         self._next_probe: dict[int, int] = {}  # bucket -> the step from which the next choose() probes
         self._probe_best: dict[int, int] = {}  # bucket -> best k at its previous probe
+        self._probe_step: dict[int, int] = {}  # bucket -> the step of its previous probe
+        self._probe_steps: dict[int, list[float]] = {}  # bucket -> [decayed sum, count] of measured probe pairs
         self._backoff: Counter[int] = Counter()  # bucket -> doublings of its probe interval
         self.chosen: Counter[int] = Counter()  # k -> times chosen (probes included)
         self.probes = 0
@@ -284,6 +291,7 @@ class AdaptiveK:
         self.prompt_s[bucket] = float(prompt_s)
         self._next_probe.pop(bucket, None)
         self._probe_best.pop(bucket, None)
+        self._probe_step.pop(bucket, None)
         self._backoff.pop(bucket, None)
 
     def has_costs(self, bucket: int) -> bool:
@@ -387,6 +395,7 @@ class AdaptiveK:
             )
             self._backoff[bucket] = min(self.max_backoff, self._backoff[bucket] + 1) if settled else 0
             self._probe_best[bucket] = best
+            self._probe_step[bucket] = self.steps[bucket]
             self._next_probe[bucket] = self.steps[bucket] + self.probe_interval(bucket, best)
         self.chosen[k] += 1
         return k
@@ -503,6 +512,29 @@ class AdaptiveK:
         positions = self._admitted_positions / self._admitted
         return positions * self._prompt_price(bucket) * (P - min(best, P)) / P
 
+    def note_probe_steps(self, bucket: int, steps: float) -> None:
+        """Record a probe as served at ``bucket``: the seconds of its drafting step and of the
+        step that verified its drafts, in steps that did not probe (the engine's measure). Warm-up's
+        step costs price a probe as one static step at max_k, but as served it also runs the
+        depths its carrier deferred over every position since (an eager round): at batch 1,
+        compiled, HumanEval, the two steps took 6.0 steps where the costs said 1 + 1.7.
+        :meth:`probe_interval` takes the measure less one step (the verify that runs anyway)
+        where that is larger; the pending probe is rescheduled from the previous one."""
+        if not (math.isfinite(steps) and steps > 0):
+            raise ValueError(f"a probe's steps must be a finite number > 0, got {steps}.")
+        total, count = self._probe_steps.get(bucket, [0.0, 0.0])
+        self._probe_steps[bucket] = [total * self.decay + steps, count * self.decay + 1.0]
+        if bucket in self._probe_step and bucket in self._next_probe:
+            best = self._probe_best.get(bucket, self.best_k(bucket))
+            self._next_probe[bucket] = self._probe_step[bucket] + self.probe_interval(bucket, best)
+
+    def measured_probe_steps(self, bucket: int) -> float | None:
+        """The decayed mean of :meth:`note_probe_steps` at ``bucket`` (None: none measured)."""
+        if bucket not in self._probe_steps:
+            return None
+        total, count = self._probe_steps[bucket]
+        return total / count
+
     def probe_interval(self, bucket: int, best: int) -> int:
         """Steps from a probe at best k ``best`` to the next probe (module doc)."""
         # a probe's time beyond what steps at the best k would take for the tokens it is expected
@@ -512,7 +544,11 @@ class AdaptiveK:
         expected = self.expected_tokens_all()
         step_s = self.costs_now(bucket)
         gain = expected[self.max_k] / expected[best] if best else 1 + (expected[self.max_k] - 1) / bucket
-        extra = (step_s[self.max_k] + self.carrier_pass_s(bucket, best)) / step_s[best] - gain
+        own = step_s[self.max_k] / step_s[best]  # the probe step, in steps at the best k
+        measured = self.measured_probe_steps(bucket)
+        if measured is not None:  # its drafting step and the verify after it, as served, less one step
+            own = max(own, measured - 1.0)
+        extra = own + self.carrier_pass_s(bucket, best) / step_s[best] - gain
         paid = math.ceil(extra / self.probe_budget) if self.probe_budget > 0 and extra > 0 else 0
         return max(self.probe_every, paid) << self._backoff[bucket]
 
@@ -532,6 +568,7 @@ class AdaptiveK:
             "probes": self.probes,
             "probe_every": self.probe_every,
             "probe_budget": self.probe_budget,
+            "probe_steps": {str(b): self.measured_probe_steps(b) for b in sorted(self._probe_steps)},
             "acceptance_bounds": self.acceptance_bounds(self.confidence),
             "costs": {str(b): list(c) for b, c in sorted(self.costs.items())},
             "catch_up_s": {str(b): list(c) for b, c in sorted(self.catch_up.items())},

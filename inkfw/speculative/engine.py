@@ -231,6 +231,8 @@ class Engine:
         self._forced_k: int | None = None  # warm-up: every round drafts this many
         self.k_chosen: collections.Counter[int] = collections.Counter()  # k of each drafting round
         self.depths_admitted: collections.Counter[int] = collections.Counter()  # depths -> requests admitted
+        self._typical_step_s: dict[int, float] = {}  # bucket -> decayed mean of decode steps without a probe
+        self._probe_pair: tuple[int, float] | None = None  # (bucket, seconds) of a probe's drafting step
 
     # ------------------------------------------------------------------ observers
     def add_observer(self, observer: EngineObserver) -> None:
@@ -479,6 +481,7 @@ class Engine:
         t1 = time.perf_counter()
 
         # draft (not for requests that stopped drafting)
+        probes = self.adaptive.probes if self.adaptive is not None else 0
         spans = [
             s
             for s in spans
@@ -515,9 +518,33 @@ class Engine:
         if prefills:
             self.times.prompt_steps += 1
             self.times.prompt_s += t3 - t0 - verify_c - draft_c
+        if self.adaptive is not None:
+            probed = self.adaptive.probes > probes
+            decode_bucket = bucket_for(len(decodes), self.config.batch_buckets) if decodes and not prefills else None
+            self._time_probe(t3 - t0 - verify_c - draft_c, decode_bucket, probed)
         for obs in self.observers:
             obs.on_step_end(self, finished)
         return finished
+
+    def _time_probe(self, seconds: float, bucket: int | None, probed: bool) -> None:
+        """Adaptive k's measure of its probes as served (:meth:`AdaptiveK.note_probe_steps`): the
+        seconds of a probe's drafting step and of the step that verifies its drafts, over the
+        decayed mean of the bucket's decode steps that took no part in a probe. ``bucket``: the
+        step's batch bucket, None for a step that prefilled (it measures nothing and drops a
+        pending probe); warm-up's forced k measures nothing either."""
+        assert self.adaptive is not None
+        pair, self._probe_pair = self._probe_pair, None
+        if bucket is None or self._forced_k is not None:
+            return
+        if pair is not None:  # this step verified the probe's drafts
+            typical = self._typical_step_s.get(pair[0])
+            if typical and pair[0] == bucket and not probed:
+                self.adaptive.note_probe_steps(bucket, (pair[1] + seconds) / typical)
+        elif probed:
+            self._probe_pair = (bucket, seconds)
+        else:
+            mean = self._typical_step_s.get(bucket)
+            self._typical_step_s[bucket] = seconds if mean is None else 0.95 * mean + 0.05 * seconds
 
     def _round_k(self, bucket: int, row_depths: Sequence[int], probe: bool = True) -> int:
         """k of this drafting round: the drafter's, or adaptive k's choice for the batch bucket
