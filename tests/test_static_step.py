@@ -971,6 +971,43 @@ def test_auto_k_draft_rounds_keep_one_shape_per_bucket_and_k(model, step_calls, 
         assert len(seen) == len(widths) and K + 1 in widths and widths <= {K + 1, 3}, shapes
 
 
+@pytest.mark.parametrize("defer_limit", [0, 64])
+def test_static_draft_rounds_cut_hidden_rows_to_their_span_width(model, step_calls, defer_limit):
+    """k drawn per round from 1..4 (k_max = 4), so a round often follows a verify wider than
+    itself: after a verify at k = 4 (5 hidden rows) that accepted little, a round at K = 2 whose
+    spans fit in K + 1 = 3 takes 3 of those rows, not 5. Every static round's hidden rows are
+    as wide as its spans (the ext buffer holds the span and max(K, P) more), so it has at most
+    the two shapes warm-up compiles per (bucket, K): K + 1 and k_max + 1 (a third, K + 1 spans
+    beside k_prev + 1 rows, compiled mid-run, 1-9 s each at batch 1). Outputs equal plain
+    decoding."""
+    prompts, new = prompts_of(71, 2), 60
+    engine, _ = make_engine(
+        model,
+        ["drafter=mtp", "mtp.depths=4", "spec.num_tokens=auto", f"drafter.defer_limit={defer_limit}"],
+        check_drafts=False,
+    )
+    rng = random.Random(defer_limit)
+    engine._round_k = lambda bucket, share, probe: rng.choice([1, 2, 3, 4])  # type: ignore[method-assign]
+    reqs = [engine.add_request(p, max_new_tokens=new) for p in prompts]
+    engine.generate(reqs)
+    plain, _, _ = generate(model, NO_DRAFTER, prompts, new, check_drafts=False)
+    assert outputs(reqs) == outputs(plain)
+    shapes: dict[tuple[str, int], set] = {}  # (round, bucket) -> (hidden rows, span width)
+    verified, after_wider = 0, 0  # the last verify's width; rounds that followed a wider verify
+    for fn, args in step_calls:
+        if fn.name == "verify":
+            verified = args[1][0][1]  # ids [B, k_prev + 1]
+        elif fn.name.startswith("draft-round"):
+            K = int(fn.name.removeprefix("draft-round-k").removesuffix("-shallow"))
+            hidden, ext = args[0][0], args[7][0]  # [B, Th, H], [B, T + max(K, P)]
+            shapes.setdefault((fn.name, hidden[0]), set()).add((hidden[1], ext[1] - max(K, 4)))
+            after_wider += verified > K + 1
+    assert after_wider >= 3 and len(shapes) >= 4, shapes
+    for (name, _), seen in shapes.items():
+        K = int(name.removeprefix("draft-round-k").removesuffix("-shallow"))
+        assert all(rows == width for rows, width in seen) and {w for _, w in seen} <= {K + 1, 5}, (name, seen)
+
+
 def test_auto_k_measures_its_probes_as_served(model):
     """The engine times each probe as served, its drafting step and the step that verifies its
     drafts, in the bucket's decode steps that took no part in a probe (AdaptiveK.note_probe_steps,

@@ -241,7 +241,10 @@ class MtpDrafter(StepModes):
         by_depth = self._compile and not self._cuda_graphs and pad_to is None and tensor_ops_only
         T = max(widest, static_width, MIN_PREFILL_WIDTH if by_depth else 1)
         longest = max(len(h) for h in hiddens)  # hidden rows of the longest span
-        Th = max(static_width, longest)
+        # a static round's hidden rows are cut or padded to its width: a span reads only its n new
+        # rows (n <= length <= width), and a verify wider than the round (k_prev > K) must not add
+        # a third shape (K + 1 spans beside k_prev + 1 hidden rows: a compile mid-run)
+        Th = static_width if pad_to is not None else longest
         E = T + max(K, P)  # ext width: depth s reads ext[:, s : s + T], drafts land up to T + K
         ext = []
         for span, start in zip(spans, starts):
@@ -259,7 +262,7 @@ class MtpDrafter(StepModes):
         # decode spans all hold their verify's k + 1 rows: one stack (a pad per row otherwise)
         same = all(len(h) == longest for h in hiddens)
         rows = torch.stack(hiddens) if same else pad_sequence(list(hiddens), batch_first=True)  # [n, longest, H]
-        hidden = F.pad(rows, (0, 0, 0, Th - longest, 0, pad))  # [B, Th, H]
+        hidden = F.pad(rows[:, :Th], (0, 0, 0, max(0, Th - longest), 0, pad))  # [B, Th, H]
 
         # a static round's inputs live in persistent buffers (one set per shape: what graph replay
         # needs); a round of any span length gets its own, dropped after it, or the drafter would
