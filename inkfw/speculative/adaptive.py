@@ -524,8 +524,8 @@ class AdaptiveK:
             raise ValueError(f"a probe's steps must be a finite number > 0, got {steps}.")
         total, count = self._probe_steps.get(bucket, [0.0, 0.0])
         self._probe_steps[bucket] = [total * self.decay + steps, count * self.decay + 1.0]
-        if bucket in self._probe_step and bucket in self._next_probe:
-            best = self._probe_best.get(bucket, self.best_k(bucket))
+        if bucket in self._probe_step and bucket in self._next_probe:  # a probe since the costs (choose())
+            best = self._probe_best[bucket]
             self._next_probe[bucket] = self._probe_step[bucket] + self.probe_interval(bucket, best)
 
     def measured_probe_steps(self, bucket: int) -> float | None:
