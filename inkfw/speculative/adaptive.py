@@ -120,6 +120,23 @@ from inkfw.errors import ConfigError
 from inkfw.speculative.metrics import drafts_reached
 
 
+class DecayedMean:
+    """A mean whose old values weigh ``decay`` less at each new one (a decayed sum over a decayed
+    count): the admitted prompts a probe's carrier is priced by, and probes as served."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay, self.total, self.count = decay, 0.0, 0.0
+
+    def add(self, value: float) -> None:
+        self.total = self.total * self.decay + value
+        self.count = self.count * self.decay + 1.0
+
+    @property
+    def mean(self) -> float | None:
+        """None before any value."""
+        return self.total / self.count if self.count else None
+
+
 def non_decreasing(values: Sequence[float]) -> list[float]:
     """The non-decreasing sequence closest to ``values`` in least squares (pool adjacent
     violators: each run that decreases is replaced by its mean)."""
@@ -212,12 +229,11 @@ class AdaptiveK:
         self._next_probe: dict[int, int] = {}  # bucket -> the step from which the next choose() probes
         self._probe_best: dict[int, int] = {}  # bucket -> best k at its previous probe
         self._probe_step: dict[int, int] = {}  # bucket -> the step of its previous probe
-        self._probe_steps: dict[int, list[float]] = {}  # bucket -> [decayed sum, count] of measured probe pairs
+        self._probe_steps: dict[int, DecayedMean] = {}  # bucket -> measured probe pairs (note_probe_steps)
         self._backoff: Counter[int] = Counter()  # bucket -> doublings of its probe interval
         self.chosen: Counter[int] = Counter()  # k -> times chosen (probes included)
         self.probes = 0
-        self._admitted_positions = 0.0  # decayed sum of the prompt positions of requests admitted to draft
-        self._admitted = 0.0  # decayed count of those requests
+        self._admitted = DecayedMean(decay)  # prompt positions of the requests admitted to draft
 
     def observe(self, num_drafts: Sequence[int], num_accepted: Sequence[int]) -> None:
         """Record one verify step: per request, ``num_drafts`` drafted and the first
@@ -498,18 +514,16 @@ class AdaptiveK:
     def note_admission(self, prompt_positions: int) -> None:
         """Record a request admitted to draft, whose drafter passes over ``prompt_positions``:
         what a probe's carrier passes over (:meth:`probe_interval`). Decayed like the estimates."""
-        self._admitted_positions = self._admitted_positions * self.decay + prompt_positions
-        self._admitted = self._admitted * self.decay + 1.0
+        self._admitted.add(prompt_positions)
 
     def carrier_pass_s(self, bucket: int, best: int) -> float:
         """Seconds of ``bucket``'s time a probe's carrier spends on depths it keeps only for
         the probe: its drafter's pass over a prompt (the mean of those admitted to draft) with the
         depths beyond the ``best`` a request would otherwise keep (module doc). 0 before any
         admission or without a measured pass."""
-        P = self.lookahead
-        if self._admitted == 0.0 or P == 0:
+        P, positions = self.lookahead, self._admitted.mean
+        if positions is None or P == 0:
             return 0.0
-        positions = self._admitted_positions / self._admitted
         return positions * self._prompt_price(bucket) * (P - min(best, P)) / P
 
     def note_probe_steps(self, bucket: int, steps: float) -> None:
@@ -522,18 +536,15 @@ class AdaptiveK:
         where that is larger; the pending probe is rescheduled from the previous one."""
         if not (math.isfinite(steps) and steps > 0):
             raise ValueError(f"a probe's steps must be a finite number > 0, got {steps}.")
-        total, count = self._probe_steps.get(bucket, [0.0, 0.0])
-        self._probe_steps[bucket] = [total * self.decay + steps, count * self.decay + 1.0]
+        self._probe_steps.setdefault(bucket, DecayedMean(self.decay)).add(steps)
         if bucket in self._probe_step and bucket in self._next_probe:  # a probe since the costs (choose())
             best = self._probe_best[bucket]
             self._next_probe[bucket] = self._probe_step[bucket] + self.probe_interval(bucket, best)
 
     def measured_probe_steps(self, bucket: int) -> float | None:
         """The decayed mean of :meth:`note_probe_steps` at ``bucket`` (None: none measured)."""
-        if bucket not in self._probe_steps:
-            return None
-        total, count = self._probe_steps[bucket]
-        return total / count
+        measured = self._probe_steps.get(bucket)
+        return None if measured is None else measured.mean
 
     def probe_interval(self, bucket: int, best: int) -> int:
         """Steps from a probe at best k ``best`` to the next probe (module doc)."""

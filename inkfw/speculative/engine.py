@@ -451,9 +451,9 @@ class Engine:
                         r, c0, hidden, None, self._num_drafts(r) if final else 0, r.slot or 0, depths=r.draft_depths
                     )
                 )
+        bucket = bucket_for(len(decodes), self.config.batch_buckets) if decodes else None  # of the decode batch
         if decodes:
             drafts = self._batch_drafts(decodes)
-            bucket = bucket_for(len(decodes), self.config.batch_buckets)
             verdict = self.verifier.verify(self.kv, decodes, drafts, self._run_target, pad_to=bucket)
             # the step's one device -> host read: accepted counts, next tokens, the drafts
             packed = torch.cat([verdict.num_accepted[:, None], verdict.next_tokens[:, None], drafts.tokens], 1)
@@ -489,10 +489,12 @@ class Engine:
         ]
         if spans:
             self._draft(spans, max(len(spans), len(decodes)))
-        elif self.adaptive is not None and any(r.drafting_off and not r.finished for r in decodes):
+        elif (
+            self.adaptive is not None and bucket is not None and any(r.drafting_off and not r.finished for r in decodes)
+        ):
             self.k_chosen[0] += 1  # every request still decoding has stopped drafting
             if self._forced_k is None:
-                self.adaptive.plain_step(bucket_for(len(decodes), self.config.batch_buckets))
+                self.adaptive.plain_step(bucket)
         t2 = time.perf_counter()
 
         # bookkeeping: prefix cache, sliding windows, finished requests
@@ -515,13 +517,12 @@ class Engine:
         self.times.bookkeeping_s += t3 - t2
         self.times.forward_s += self.clock.seconds - fwd0 - verify_c - draft_c
         self.times.num_steps += 1
+        step_s = t3 - t0 - verify_c - draft_c
         if prefills:
             self.times.prompt_steps += 1
-            self.times.prompt_s += t3 - t0 - verify_c - draft_c
+            self.times.prompt_s += step_s
         if self.adaptive is not None:
-            probed = self.adaptive.probes > probes
-            decode_bucket = bucket_for(len(decodes), self.config.batch_buckets) if decodes and not prefills else None
-            self._time_probe(t3 - t0 - verify_c - draft_c, decode_bucket, probed)
+            self._time_probe(step_s, None if prefills else bucket, probed=self.adaptive.probes > probes)
         for obs in self.observers:
             obs.on_step_end(self, finished)
         return finished
