@@ -405,9 +405,10 @@ def test_compiled_step_functions_have_no_graph_breaks(compiled):
 
 
 def test_second_compiled_engine_on_one_model_drafts_exactly(model, compiled):
-    """A second engine on the same model reuses the first one's compiled graphs (same code, same
-    shapes): its drafts must still come from its own caches and tail, equal to the uncached
-    reference, and its output equal to the first engine's (the benchmark builds several engines
+    """A second engine on the same model compiles graphs of its own (its step functions' guards
+    leave out the pools and weights, so sharing the first one's graphs would be unchecked): its
+    drafts must come from its own caches and tail, equal to the uncached reference, and its output
+    equal to the first engine's, with both running in turn (the benchmark builds several engines
     around one model)."""
     first, outs, _, _, _ = compiled
     graphs = counters["stats"]["unique_graphs"]
@@ -417,9 +418,45 @@ def test_second_compiled_engine_on_one_model_drafts_exactly(model, compiled):
     for _ in range(2):  # the first engine runs between the second's requests, as in the benchmark
         assert one_at_a_time(second, COMPILE_PROMPTS, COMPILE_NEW) == outs
         assert one_at_a_time(first, COMPILE_PROMPTS, COMPILE_NEW) == outs
-    assert counters["stats"]["unique_graphs"] == graphs  # the first engine's graphs served the second
+    assert counters["stats"]["unique_graphs"] == 2 * graphs  # the same four graphs, compiled for the second
     assert sum(static for _, drafts, static in proposals if drafts) >= 2 * len(COMPILE_PROMPTS)
     assert_drafts_are_the_reference(model, proposals, drafter)
+
+
+def test_compiled_engine_with_other_pools_runs_its_own_graphs(model, compiled):
+    """An engine whose KV blocks hold 8 positions, compiled after one whose blocks hold 4 (the
+    ``compiled`` fixture) on the same model, emits what eager decoding emits. While the step
+    functions' ``def`` was shared, dynamo served it the first engine's graphs, which address the
+    pools with the first one's block size: other tokens."""
+    second, _ = make_engine(model, mtp(2, 3), check_drafts=False, overrides=["engine.compile=true", "kv.block_size=8"])
+    eager, _ = make_engine(model, mtp(2, 3), check_drafts=False, overrides=["kv.block_size=8"])
+    assert one_at_a_time(second, COMPILE_PROMPTS, COMPILE_NEW) == one_at_a_time(eager, COMPILE_PROMPTS, COMPILE_NEW)
+
+
+def test_step_functions_of_one_def_keep_their_graphs_apart():
+    """Closures of one ``def`` whose unguarded ``kv`` differs (here the block size, an int read
+    through it) each run a graph compiled for their own: dynamo keeps graphs per code object,
+    and every step function compiles a private copy of its function."""
+    torch._dynamo.reset()
+
+    class Pools:
+        def __init__(self, block: int):
+            self.block = block
+            self.pool = torch.zeros(64)
+
+    def step_over(kv: Pools) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        def step(values: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+            kv.pool.index_copy_(0, blocks * kv.block, values)  # the block size is not guarded
+            return kv.pool.view(-1, kv.block)[blocks, 0]  # [n]
+
+        return step
+
+    fns = [StepFunction(step_over(Pools(block)), f"test-block-{block}", compile=True) for block in (4, 8)]
+    values, blocks = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0, 2, 5])
+    for fn in fns:
+        assert fn(values, blocks).tolist() == [1.0, 2.0, 3.0]
+    pools = [fn.eager.__closure__[0].cell_contents.pool for fn in fns]  # pyright: ignore[reportOptionalSubscript]
+    assert pools[0].nonzero().flatten().tolist() == [0, 8, 20] and pools[1].nonzero().flatten().tolist() == [0, 16, 40]
 
 
 def record_proposals(drafter: MtpDrafter) -> list[tuple[list[int], list[int], bool]]:

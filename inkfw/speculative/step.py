@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+import types
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
@@ -229,9 +230,31 @@ def _step_guards(entries: Sequence[Any]) -> list[bool]:
     a step function is bound to one KV manager, whose pools live as long as it does (the
     component caches the function on first use, closure and all); step functions name that
     closure ``kv``. Skipping the pools' guards (89 tensors on the shipped checkpoint, each
-    checked and alias-checked) halved dynamo's cache lookup: ~0.2 -> ~0.1 ms per call."""
+    checked and alias-checked) halved dynamo's cache lookup: ~0.2 -> ~0.1 ms per call.
+
+    Sound only because no other step function can reach the graphs compiled under these guards:
+    dynamo keeps its graphs per code object, which every closure of one ``def`` shares, so each
+    :class:`StepFunction` compiles a private copy of its function (:func:`private_code`)."""
     keep = torch.compiler.skip_guard_on_all_nn_modules_unsafe(entries)
     return [k and not (e.name == "kv" or e.name.startswith(("kv.", "kv["))) for k, e in zip(keep, entries)]
+
+
+def private_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with a code object of its own (same globals, closure, defaults), so that dynamo's
+    graphs for it, kept per code object, serve this function only.
+
+    The step functions' guards leave out their parameters and cache pools (:func:`_step_guards`).
+    With the ``def`` shared, a second engine in the process ran the first one's graphs whenever
+    its inputs matched: pools of another block size, or another model's weights, read and written
+    with the first one's sizes (a compiled engine with ``kv.block_size=8`` after one with 4 emitted
+    other tokens than eager; a smaller pool corrupted the heap). Each engine now traces its own
+    graphs; inductor's cache, keyed by graph and input sizes, still spares the compile."""
+    if not isinstance(fn, types.FunctionType):
+        raise TypeError(f"a compiled step function must be a plain function or closure, got {type(fn).__name__}")
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__qualname__ = fn.__qualname__
+    return copy
 
 
 class StepFunction:
@@ -273,10 +296,10 @@ class StepFunction:
             _raise_recompile_limit()
         self.fn = (
             # parameters and cache pools go unguarded (_step_guards): their guards cost about
-            # 1.1 ms per call on the shipped checkpoint. A fresh dict each time: torch.compile pops
-            # the option from it.
+            # 1.1 ms per call on the shipped checkpoint; a private copy of the function keeps its
+            # graphs its own. A fresh dict each time: torch.compile pops the option from it.
             torch.compile(
-                fn,
+                private_code(fn),
                 backend=_compile_step_graph,
                 fullgraph=True,
                 dynamic=False,
