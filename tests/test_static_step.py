@@ -451,12 +451,12 @@ def test_step_functions_of_one_def_keep_their_graphs_apart():
 
         return step
 
-    fns = [StepFunction(step_over(Pools(block)), f"test-block-{block}", compile=True) for block in (4, 8)]
+    pools = [Pools(4), Pools(8)]
+    fns = [StepFunction(step_over(kv), f"test-block-{kv.block}", compile=True) for kv in pools]
     values, blocks = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0, 2, 5])
     for fn in fns:
         assert fn(values, blocks).tolist() == [1.0, 2.0, 3.0]
-    pools = [fn.eager.__closure__[0].cell_contents.pool for fn in fns]  # pyright: ignore[reportOptionalSubscript]
-    assert pools[0].nonzero().flatten().tolist() == [0, 8, 20] and pools[1].nonzero().flatten().tolist() == [0, 16, 40]
+    assert [kv.pool.nonzero().flatten().tolist() for kv in pools] == [[0, 8, 20], [0, 16, 40]]
 
 
 def record_proposals(drafter: MtpDrafter) -> list[tuple[list[int], list[int], bool]]:
@@ -972,6 +972,11 @@ def test_auto_k_lag_catches_up_exactly(model, monkeypatch):
     assert catch_up and all(pad is None for pad in catch_up)
 
 
+def round_k(name: str) -> int:
+    """K of a draft-round step function, from its name (``draft-round-k2``, ``draft-round-k1-shallow``)."""
+    return int(name.removeprefix("draft-round-k").removesuffix("-shallow"))
+
+
 @pytest.mark.parametrize("defer_limit", [0, 64])
 def test_auto_k_draft_rounds_keep_one_shape_per_bucket_and_k(model, step_calls, defer_limit):
     """k switches between steps (k = 1 best, a probe at k_max = 2 every third round), so a
@@ -1003,7 +1008,7 @@ def test_auto_k_draft_rounds_keep_one_shape_per_bucket_and_k(model, step_calls, 
     static = {"draft-round-k1", "draft-round-k2"} if defer_limit == 0 else {"draft-round-k1-shallow"}
     assert {name for name, _ in shapes} == static
     for (name, _), seen in shapes.items():
-        K = int(name.removeprefix("draft-round-k").removesuffix("-shallow"))
+        K = round_k(name)
         widths = {shape[0][1] for shape in seen}  # of the hidden rows [B, T, H]
         assert len(seen) == len(widths) and K + 1 in widths and widths <= {K + 1, 3}, shapes
 
@@ -1035,13 +1040,13 @@ def test_static_draft_rounds_cut_hidden_rows_to_their_span_width(model, step_cal
         if fn.name == "verify":
             verified = args[1][0][1]  # ids [B, k_prev + 1]
         elif fn.name.startswith("draft-round"):
-            K = int(fn.name.removeprefix("draft-round-k").removesuffix("-shallow"))
+            K = round_k(fn.name)
             hidden, ext = args[0][0], args[7][0]  # [B, Th, H], [B, T + max(K, P)]
             shapes.setdefault((fn.name, hidden[0]), set()).add((hidden[1], ext[1] - max(K, 4)))
             after_wider += verified > K + 1
     assert after_wider >= 3 and len(shapes) >= 4, shapes
     for (name, _), seen in shapes.items():
-        K = int(name.removeprefix("draft-round-k").removesuffix("-shallow"))
+        K = round_k(name)
         assert all(rows == width for rows, width in seen) and {w for _, w in seen} <= {K + 1, 5}, (name, seen)
 
 
