@@ -560,12 +560,14 @@ def test_no_probes_where_no_acceptance_could_make_drafting_pay():
     adaptive.set_costs(16, step_s, catch_up_s)
     adaptive.set_costs(1, [1.0] + [2.0] * 8)
     assert not adaptive.drafting_could_pay(16) and adaptive.drafting_could_pay(1)
+    assert not adaptive.drafting_could_pay(8)  # no costs of its own: batch 16's
     assert adaptive.steps_to_probe(16) == math.inf and adaptive.steps_to_probe(1) == 5
     assert {adaptive.choose(16) for _ in range(200)} == {0}
     assert [adaptive.choose(1) for _ in range(5)] == [0, 0, 0, 0, 8]
     assert adaptive.probes == 1
     adaptive.set_costs(16, [0.0331] + [0.05] * 8)  # cheaper drafting could pay: probed again
     assert adaptive.drafting_could_pay(16) and adaptive.steps_to_probe(16) == 5
+    assert adaptive.drafting_could_pay(8)  # worked out anew from the costs it borrows
     # with min_gain 0 the 4.7 % of the measured costs is enough
     lenient = AdaptiveK(max_k=8, prior_acceptance=0.0, min_gain=0.0)
     lenient.set_costs(16, step_s, catch_up_s)

@@ -234,6 +234,7 @@ class AdaptiveK:
         self.chosen: Counter[int] = Counter()  # k -> times chosen (probes included)
         self.probes = 0
         self._admitted = DecayedMean(decay)  # prompt positions of the requests admitted to draft
+        self._could_pay: dict[int, bool] = {}  # bucket -> drafting_could_pay, until the next set_costs
 
     def observe(self, num_drafts: Sequence[int], num_accepted: Sequence[int]) -> None:
         """Record one verify step: per request, ``num_drafts`` drafted and the first
@@ -309,6 +310,7 @@ class AdaptiveK:
         self._probe_best.pop(bucket, None)
         self._probe_step.pop(bucket, None)
         self._backoff.pop(bucket, None)
+        self._could_pay.clear()  # a bucket without costs of its own borrows the nearest measured one's
 
     def has_costs(self, bucket: int) -> bool:
         return bucket in self.costs
@@ -345,8 +347,13 @@ class AdaptiveK:
     def drafting_could_pay(self, bucket: int) -> bool:
         """Whether any acceptance could make drafting pay at ``bucket``: with every draft accepted
         (``E(k) = k + 1``) some k >= 1 beats plain decoding by ``min_gain``. Where none could, no
-        observation could change the choice from k = 0, so the bucket is never probed."""
-        return self._best_k_given(bucket, [1.0] * self.max_k) != 0
+        observation could change the choice from k = 0, so the bucket is never probed. It depends
+        on the costs alone, so it is worked out once per bucket after each :meth:`set_costs` (every
+        :meth:`choose` asks: half of its time before)."""
+        could = self._could_pay.get(bucket)
+        if could is None:
+            could = self._could_pay[bucket] = self._best_k_given(bucket, [1.0] * self.max_k) != 0
+        return could
 
     def _row_steps(
         self, bucket: int, acceptance: Sequence[float] | None, row_depths: Sequence[int] | None = None
