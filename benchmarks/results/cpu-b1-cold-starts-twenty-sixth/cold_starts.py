@@ -17,7 +17,8 @@ line per (trial, set, auto engine): walls of every engine, ratio = k = 2's wall 
 VARIANTS, comma-separated, each "head" or ATTR=VALUE[+ATTR=VALUE]: an AdaptiveK attribute set on
 the restored copy (prior_weight, probe_budget, ...), or one of this script's patches: margin (the
 smallest k whose rate is within that fraction of the best k's) and ucb (upper bounds at that
-confidence for the k of every step and the depths a request keeps).
+confidence for the k of every step and the depths a request keeps), and unsettled_budget (the probe
+budget while the optimistic best k differs from the estimates' best; probe_budget otherwise).
 """
 import copy, sys, time, os, json
 from collections import Counter
@@ -77,6 +78,18 @@ src = src.replace("self._row_saving(bucket, None, m)", "self._row_saving(bucket,
 ns = {}
 exec(src, AM.__dict__, ns)
 AdaptiveK.depths_for = ns["depths_for"]
+_orig_interval = AdaptiveK.probe_interval
+def probe_interval(self, bucket, best):
+    # unsettled_budget: the probe budget while the optimistic best differs from ``best``
+    u = getattr(self, "unsettled_budget", 0.0)
+    if not u or self.best_k_at(bucket, self.confidence) == best:
+        return _orig_interval(self, bucket, best)
+    saved, self.probe_budget = self.probe_budget, u
+    try:
+        return _orig_interval(self, bucket, best)
+    finally:
+        self.probe_budget = saved
+AdaptiveK.probe_interval = probe_interval
 def apply(ad, variant):
     for kv in variant.split("+"):
         if kv == "head": continue
