@@ -348,8 +348,9 @@ class AdaptiveK:
         """Whether any acceptance could make drafting pay at ``bucket``: with every draft accepted
         (``E(k) = k + 1``) some k >= 1 beats plain decoding by ``min_gain``. Where none could, no
         observation could change the choice from k = 0, so the bucket is never probed. It depends
-        on the costs alone, so it is worked out once per bucket after each :meth:`set_costs` (every
-        :meth:`choose` asks: half of its time before)."""
+        on the costs alone (with ``max_k`` and ``min_gain``, fixed at construction), so it is worked
+        out once per bucket after each :meth:`set_costs` (every :meth:`choose` asks: half of its
+        time before)."""
         could = self._could_pay.get(bucket)
         if could is None:
             could = self._could_pay[bucket] = self._best_k_given(bucket, [1.0] * self.max_k) != 0

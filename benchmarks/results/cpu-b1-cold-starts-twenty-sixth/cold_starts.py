@@ -21,6 +21,8 @@ confidence for the k of every step and the depths a request keeps), and unsettle
 budget while the optimistic best k differs from the estimates' best; probe_budget otherwise).
 """
 import copy, sys, time, os, json
+from pathlib import Path
+import inkfw
 from collections import Counter
 import torch
 from hydra import compose, initialize_config_dir
@@ -28,14 +30,13 @@ from inkfw.bench.run import _build_case, _generate, shared_max_model_len
 from inkfw.bench.plan import BenchRun
 from inkfw.bench.prompt_sets import load_prompt_set
 from inkfw.speculative.factory import load_tokenizer
-from inkfw.models.inkling.config import *  # noqa
 from inkfw.bench import run as R
 
 T, H = int(sys.argv[1]), int(sys.argv[2])
-variants = sys.argv[3].split(",")  # one per auto engine slot pair; rotated over auto engines per trial
+variants = sys.argv[3].split(",")  # auto engine i runs variants[(i + trial) % len(variants)]
 NA = int(os.environ.get("NA", "4"))
 torch.set_num_threads(1)
-with initialize_config_dir(config_dir="/work/main/inkfw/conf", version_base=None):
+with initialize_config_dir(config_dir=str(Path(inkfw.__file__).resolve().parent / "conf"), version_base=None):
     cfg = compose("bench", overrides=["modes=[compiled]", "batch_sizes=[1]", "num_tokens=[2,3,auto]", "hf=[]", "forward_ops=[]"])
 tok = load_tokenizer(cfg.model)
 mcfg = R.model_config(cfg.model)
