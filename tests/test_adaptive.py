@@ -244,7 +244,7 @@ def test_a_due_probe_waits_for_a_row_with_every_depth():
     adaptive = AdaptiveK(max_k=3, prior_acceptance=0.7, probe_every=3, probe_budget=0.0, max_backoff=0)
     adaptive.set_costs(1, [1.0, 1.1, 1.5, 2.0])
     best = adaptive.best_k(1)
-    assert best == 1
+    assert 1 <= best < adaptive.max_k  # a probe (k_max) is told apart from it
     assert [adaptive.choose(1) for _ in range(2)] == [best, best] and adaptive.steps_to_probe(1) == 1
     assert [adaptive.choose(1, probe=False) for _ in range(3)] == [best] * 3 and adaptive.probes == 0
     assert adaptive.steps_to_probe(1) <= 0  # still due
@@ -440,19 +440,22 @@ def test_probes_back_off_while_the_best_k_stays():
 
 
 def test_probes_do_not_back_off_while_doubt_could_change_the_choice():
-    """A position seen once (rejected at a probe: 0.47 under the default prior) is not settled:
-    the estimates choose k = 1 but every estimate at its upper bound would choose k = 2, so probes
+    """A position seen once (position 3, rejected at a probe: 0.47 under the default prior) is not
+    settled: the estimates choose k = 1, and so do they with the next position (2, measured at
+    0.5) at its upper bound, but every estimate at its upper bound would choose k = 3, so probes
     keep their priced interval instead of backing off; once measured, they back off as before."""
-    adaptive = AdaptiveK(max_k=2, decay=1.0, probe_every=5, probe_budget=0.0, max_backoff=2)
-    adaptive.set_costs(1, [1.0, 1.3, 1.7])
-    adaptive.observe([2], [1])  # position 1 accepted, position 2 rejected once
-    assert adaptive.best_k(1) == adaptive.best_k_at(1) == 1 and adaptive.best_k_at(1, 1.0) == 2
+    adaptive = AdaptiveK(max_k=3, decay=1.0, probe_every=5, probe_budget=0.0, max_backoff=2)
+    adaptive.set_costs(1, [1.0, 1.3, 1.7, 1.9])
+    for _ in range(50):
+        adaptive.observe([2, 2], [2, 1])  # position 1 always accepted, position 2 half the time
+    adaptive.observe([3], [2])  # position 3 rejected once
+    assert adaptive.best_k(1) == adaptive.best_k_at(1) == 1 and adaptive.best_k_at(1, 1.0) == 3
     picks = [adaptive.choose(1) for _ in range(20)]
-    assert picks == [2 if i % 5 == 4 else 1 for i in range(20)] and adaptive._backoff[1] == 0
+    assert picks == [3 if i % 5 == 4 else 1 for i in range(20)] and adaptive._backoff[1] == 0
     for _ in range(300):
-        adaptive.observe([2, 2, 2, 2], [2, 2, 2, 1])  # position 1 measured at 1.0, position 2 at 0.75
-    assert adaptive.best_k(1) == adaptive.best_k_at(1, 1.0) == 2
-    [adaptive.choose(1) for _ in range(20)]
+        adaptive.observe([3, 3, 3, 3], [3, 3, 3, 2])  # positions 1-2 measured at about 1, 3 at 0.75
+    assert adaptive.best_k(1) == adaptive.best_k_at(1, 1.0) == 3
+    [adaptive.choose(1) for _ in range(40)]
     assert adaptive._backoff[1] == 2  # settled: the interval doubled at each probe since
 
 
@@ -615,6 +618,70 @@ def test_bad_costs_raise(bucket, step_s):
     assert not adaptive.has_costs(bucket)
 
 
+# the twenty-sixth session's warm-up costs at batch 1, compiled (ms): k = 1 is as good as k = 2 when
+# position 2 looks bad, while position 2's true rate (0.7-0.8 on most prompts) makes k = 2-3 best
+TRAP_COSTS = [3.93, 6.04, 6.87, 7.68, 8.5, 9.31, 10.11, 10.92, 11.45]
+
+
+def test_the_next_position_is_judged_at_its_upper_bound():
+    """Three early rejections at position 2 make k = 1 and one depth best by the estimates, and
+    neither observes position 2 again. The step's k and a request's depths are chosen again with
+    that next position at its upper bound, so they draft it and observe it; once measured low, the
+    bound closes and k = 1 with one depth stays best."""
+    adaptive = AdaptiveK(max_k=8, probe_every=0)
+    adaptive.set_costs(1, TRAP_COSTS, [0.15] * 9, prompt_s=0.14)
+    adaptive.observe([2] * 3 + [1] * 6, [1] * 3 + [1] * 6)  # position 2 rejected 3 times in 3
+    assert adaptive.best_k_at(1) == 1 and adaptive.best_k(1) >= 2
+    assert adaptive.depths_for(1, 120, 64) >= 2
+    for _ in range(100):
+        adaptive.observe([2], [1])  # position 2 measured: always rejected
+    assert adaptive.best_k(1) == adaptive.best_k_at(1) == 1
+    assert adaptive.depths_for(1, 120, 64) == 1
+    without = AdaptiveK(max_k=8, probe_every=0, confidence=0.0)  # no optimism: the bare estimates
+    without.set_costs(1, TRAP_COSTS, [0.15] * 9, prompt_s=0.14)
+    without.observe([2] * 3 + [1] * 6, [1] * 3 + [1] * 6)
+    assert without.best_k(1) == 1 and without.depths_for(1, 120, 64) == 1
+
+
+def test_a_request_enters_the_pool_as_one_unit_and_chooses_by_its_own_estimates():
+    """A request whose drafts at position 2 are all rejected (one stdlib prompt: 0 of 31 at fixed
+    k = 3) learns k = 1 for itself from its own counts, but enters the pool as one request, not
+    31 observations: the next request starts from a pool that still drafts position 2."""
+    adaptive = AdaptiveK(max_k=8, probe_every=0)
+    adaptive.set_costs(1, TRAP_COSTS, [0.15] * 9, prompt_s=0.14)
+    for _ in range(31):
+        adaptive.observe([2], [1], requests=["odd"])
+    assert adaptive.seen == [0.0] * 8  # nothing enters the pool while it runs
+    own = adaptive.acceptance("odd")
+    assert own[1] == pytest.approx((0 + 4 * 0.7) / (31 + 4)) and own[0] > 0.9
+    assert adaptive.choose(1, [2], request="odd") == 1 and adaptive.best_k(1, [2]) == 2
+    adaptive.finish_request("odd")
+    assert adaptive.seen[:3] == pytest.approx([1.0, 1.0, 0.0]) and adaptive.accepted[:2] == pytest.approx([1.0, 0.0])
+    pooled = 2 * 0.7 / 3  # one unit at 0 beside the prior's 2 at 0.7
+    assert adaptive.acceptance()[1] == pytest.approx(pooled) and adaptive.acceptance("odd")[1] == pytest.approx(pooled)
+    assert adaptive.depths_for(1, 120, 64) >= 2  # the next request still drafts position 2
+    steps = AdaptiveK(max_k=8, probe_every=0)  # the same steps counted one by one (no requests named)
+    steps.set_costs(1, TRAP_COSTS, [0.15] * 9, prompt_s=0.14)
+    steps.observe([2] * 31, [1] * 31)
+    assert steps.acceptance()[1] < 0.05 and steps.depths_for(1, 120, 64) == 1
+
+
+def test_requests_weigh_by_how_often_they_reached_a_position_and_decay():
+    """A request that reached a position fewer than ``request_cap`` times counts for that fraction
+    of a request; earlier requests decay by ``request_decay`` at each one that reached the position."""
+    adaptive = AdaptiveK(max_k=2, request_cap=4.0, request_decay=0.5)
+    adaptive.observe([2, 1], [2, 0], requests=["a", "b"])  # a: positions 1-2 accepted; b: 1 rejected
+    adaptive.observe([2], [1], requests=["a"])  # a: position 1 accepted, 2 rejected
+    adaptive.finish_request("a")
+    assert adaptive.seen == pytest.approx([0.5, 0.5]) and adaptive.accepted == pytest.approx([0.5, 0.25])
+    adaptive.finish_request("b")
+    assert adaptive.seen == pytest.approx([0.5 * 0.5 + 0.25, 0.5]) and adaptive.accepted == pytest.approx([0.25, 0.25])
+    adaptive.finish_request("never observed")  # changes nothing
+    assert adaptive.seen == pytest.approx([0.5, 0.5])
+    with pytest.raises(ValueError):
+        adaptive.observe([1, 1], [1, 0], requests=["c"])
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
@@ -627,6 +694,9 @@ def test_bad_costs_raise(bucket, step_s):
         {"probe_budget": 1.0},
         {"max_backoff": -1},
         {"min_gain": 1.0},
+        {"request_weight": 0},
+        {"request_cap": 0},
+        {"request_decay": 0},
     ],
 )
 def test_bad_settings_raise(kwargs):

@@ -830,7 +830,7 @@ def test_replayed_steps_overwrite_their_outputs_and_decode_exactly(model, monkey
         engine, kv = make_engine(model, drafter, check_drafts=False, max_num_seqs=batch)
         if drafter is RANDOM_K:
             rng = random.Random(batch)
-            engine._round_k = lambda bucket, share, probe: rng.choice([1, 1, 2, 3, 4])  # type: ignore[method-assign]
+            engine._round_k = lambda bucket, share, probe, request=None: rng.choice([1, 1, 2, 3, 4])  # type: ignore[method-assign]
         for part in parts(engine) if graphs else ():
             part.set_step_mode(cuda_graphs=True)
         reqs = engine.generate([engine.add_request(p, max_new_tokens=20) for p in prompts])
@@ -937,6 +937,34 @@ def test_auto_k_equals_plain_and_measures_costs(model):
     assert engine.k_chosen[2] == adaptive.chosen[2]  # rounds that drafted k_max
 
 
+def test_auto_k_chooses_by_a_lone_request_and_pools_each_request_as_it_finishes(model):
+    """At batch 1 the round's one request names itself to adaptive k, whose own estimates then
+    choose; rounds of two rows choose by the pool. Each verify step's counts go to the request
+    they came from, and each finished request enters the pool as at most one unit per position."""
+    engine, _ = make_engine(model, AUTO, check_drafts=False)
+    adaptive = engine.adaptive
+    assert isinstance(adaptive, AdaptiveK)
+    for bucket in (1, 2):
+        adaptive.set_costs(bucket, [1.0, 1.0, 1.0])  # drafting always pays: every round drafts
+    named: list[tuple[int, object]] = []
+    choose = adaptive.choose
+
+    def recorded(bucket, row_depths=None, probe=True, request=None):
+        named.append((bucket, request))
+        return choose(bucket, row_depths, probe, request)
+
+    adaptive.choose = recorded  # type: ignore[method-assign]
+    alone = engine.add_request(prompts_of(51, 1)[0], max_new_tokens=10)
+    engine.generate([alone])
+    assert named and all(n == (1, alone.id) for n in named)
+    assert not adaptive._requests and 0.0 < adaptive.seen[0] <= 1.0  # one request: one unit at most
+    named.clear()
+    pair = [engine.add_request(p, max_new_tokens=10) for p in prompts_of(52, 2)]
+    engine.generate(pair)
+    assert (2, None) in named and all(request is None for bucket, request in named if bucket == 2)
+    assert not adaptive._requests and adaptive.seen[0] <= 1.0 * adaptive.request_decay**2 + 2.0
+
+
 def test_auto_k_lag_catches_up_exactly(model, monkeypatch):
     """Costs that make k = 0 best and a probe every 4th round (forced: at these costs no acceptance
     could make drafting pay, which would stop probes): decode spans wait in the lag and the
@@ -1029,7 +1057,7 @@ def test_static_draft_rounds_cut_hidden_rows_to_their_span_width(model, step_cal
         check_drafts=False,
     )
     rng = random.Random(defer_limit)
-    engine._round_k = lambda bucket, share, probe: rng.choice([1, 2, 3, 4])  # type: ignore[method-assign]
+    engine._round_k = lambda bucket, share, probe, request=None: rng.choice([1, 2, 3, 4])  # type: ignore[method-assign]
     reqs = [engine.add_request(p, max_new_tokens=new) for p in prompts]
     engine.generate(reqs)
     plain, _, _ = generate(model, NO_DRAFTER, prompts, new, check_drafts=False)
@@ -1305,7 +1333,7 @@ def test_auto_k_admits_plainly_where_one_drafting_row_could_not_pay(model):
     adaptive = engine.adaptive
     assert isinstance(adaptive, AdaptiveK)
     adaptive.set_costs(4, [1.0, 1.3, 1.6, 1.9], prompt_s=1.0)
-    assert adaptive.best_k(4) == 2 and adaptive.best_k(4, [3, 0, 0, 0]) == 0
+    assert adaptive.best_k_at(4) == 2 and adaptive.best_k(4) >= 2 and adaptive.best_k(4, [3, 0, 0, 0]) == 0
     assert not adaptive.drafting_pays_for(4, 12, 8) and adaptive.steps_to_probe(4) <= LAG_LIMIT
     prompts = prompts_of(71, 4, lo=12, hi=12)
     reqs = [engine.add_request(p, max_new_tokens=8) for p in prompts]
@@ -1436,7 +1464,7 @@ def test_shallow_rounds_defer_deeper_depths_exactly(model, defer_limit):
     drafter = parts(engine)[1]
     assert drafter.lookahead == 4 and drafter.defer_limit == defer_limit
     rng = random.Random(defer_limit)
-    engine._round_k = lambda bucket, share, probe: rng.choice([0, 1, 1, 2, 2, 3, 4])  # type: ignore[method-assign]
+    engine._round_k = lambda bucket, share, probe, request=None: rng.choice([0, 1, 1, 2, 2, 3, 4])  # type: ignore[method-assign]
     engine._admission_depths = lambda r, rows: None  # type: ignore[method-assign]  # every request keeps all 4
     rounds = []  # per drafting round: (k, depths run, rows caught up, rows re-spanned by a shallow round)
     propose, run_round = drafter.propose, drafter.round

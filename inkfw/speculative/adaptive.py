@@ -1,13 +1,26 @@
 """Adaptive number of draft tokens (``spec.num_tokens=auto``): each engine step and batch bucket,
 pick the k in 0..max_k that maximises expected tokens per second.
 
-* **Acceptance.** ``alpha_i`` estimates the conditional acceptance of draft position i
-  (docs/design.md §6): P(draft i accepted | drafts 1..i-1 accepted). A verify step of a request
-  with ``n`` drafts and ``a`` accepted *saw* positions 1..min(a+1, n) and *accepted* 1..a. Counts
-  are exponentially decayed: a position's old counts are multiplied by ``decay`` at each
-  :meth:`AdaptiveK.observe` call that sees it, so an estimate follows roughly the last
-  ``1 / (1 - decay)`` steps that reached it. A prior of ``prior_weight`` pseudo-steps at
-  ``prior_acceptance`` keeps early estimates sane: ``alpha_i = (acc_i + w p) / (seen_i + w)``.
+* **Acceptance, per request over a pool of requests.** ``alpha_i`` estimates the conditional
+  acceptance of draft position i (docs/design.md §6): P(draft i accepted | drafts 1..i-1
+  accepted). A verify step of a request with ``n`` drafts and ``a`` accepted *saw* positions
+  1..min(a+1, n) and *accepted* 1..a. Acceptance varies far more between prompts than within one
+  (a fixed k = 3 engine on the 12 stdlib prompts: position 2 accepted 0 of 31 times on the first,
+  0.47-1.0 on the others), so each running request keeps counts of its own
+  (:meth:`AdaptiveK.observe` with ``requests``), and the *pool* is built from finished requests
+  (:meth:`AdaptiveK.finish_request`): each enters it as one unit per position it reached, at its
+  own rate there (``min(1, seen / request_cap)`` of a unit where it reached the position fewer than
+  ``request_cap`` times), the pool's earlier weight decayed by ``request_decay`` at each request
+  that reached the position. The pool's estimate has a prior of ``prior_weight`` units at
+  ``prior_acceptance``: ``alpha_i = (acc_i + w p) / (seen_i + w)``; a running request's own is
+  its counts over ``request_weight`` pseudo-observations at the pool's:
+  ``(acc_i^r + v alpha_i) / (seen_i^r + v)``. Admission, depths and probes price by the pool; a
+  step whose one row is one request (batch 1) chooses by that request's estimates. Pooled by
+  steps, as before, the first stdlib prompt's 31 rejections set the estimate every later request
+  was admitted by: position 2 at 0.16-0.21, each request kept to 1 depth at k = 1, and only probes
+  observed position 2 again (the trap, BENCHMARKS.md "Twenty-seventh session"). Observations
+  with no request named enter the pool at once, one unit per step that reached a position, old
+  counts multiplied by ``decay`` at each :meth:`AdaptiveK.observe` call that sees the position.
 * **Expected tokens** of one request at k: ``E(k) = 1 + sum_{i=1..k} prod_{j<=i} alpha_j``
   (``E(0) = 1``: the bonus token).
 * **Cost.** ``step_s[k]``: seconds of one whole decode step (verify + drafting) at a batch bucket
@@ -27,9 +40,14 @@ pick the k in 0..max_k that maximises expected tokens per second.
   first batches at 0.66-0.70x plain). Where that is k = 0, the same argmax with each
   ``alpha_i`` raised to its upper bound
   ``alpha_i + confidence * sqrt(alpha_i (1 - alpha_i) / (seen_i + w))`` (at most 1;
-  ``confidence`` 1 by default, 0 switches it off): whether to draft at all is decided
+  ``confidence`` 1 by default, 0 switches it off; for a request's estimates ``seen_i^r + v``):
+  whether to draft at all is decided
   optimistically, because k = 0 observes nothing and so cannot correct itself, while a drafting
-  step observes positions 1.. and probes observe the rest. Choosing by the estimates alone
+  step observes positions 1.. and probes observe the rest. Where the estimates' best is some
+  ``b`` in 1..max_k - 1, the choice is made again with the *next position*, ``b + 1``, at its
+  upper bound: k = b never observes it either, so a position that a few early rejections priced
+  low is drafted until its bound closes (:meth:`AdaptiveK.best_k`; a request's depths likewise,
+  below). Choosing by the estimates alone
   trapped: at batch 1 two early rejections at position 2 (0.35 under the default prior, where
   0.6-0.8 is usual) made k = 0 best, and one probe every 32+ steps added one observation each, so
   plain decoding held for 250 of 400 steps (compiled, shipped checkpoint).
@@ -60,7 +78,8 @@ pick the k in 0..max_k that maximises expected tokens per second.
   new tokens did not earn back a 130-position pass, and the run went at 0.78x plain; with it,
   1.03-1.07x (BENCHMARKS.md, "Eleventh session").
 * **Depths per request.** A request admitted to draft keeps only depths ``0 .. m - 1``
-  (:meth:`AdaptiveK.depths_for`, by the estimates): it then drafts at most ``m`` tokens a step,
+  (:meth:`AdaptiveK.depths_for`, by the pool's estimates, then again with position ``m + 1`` at
+  its upper bound, as for the next position of a step's k): it then drafts at most ``m`` tokens a step,
   its prompt pass runs ``m`` depths (``m / P`` of the whole pass) and nothing deeper ever
   catches up over its positions. ``m`` maximises what its ``new_tokens`` save at the best
   ``k <= m`` less that pass. Fixed k = 2 ran 5-12 % ahead of ``auto`` at batch 1, compiled, where
@@ -113,7 +132,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import Counter
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from typing import Any
 
 from inkfw.errors import ConfigError
@@ -188,6 +207,9 @@ class AdaptiveK:
         max_backoff: int = 4,
         min_gain: float = 0.05,
         confidence: float = 1.0,
+        request_weight: float = 4.0,
+        request_cap: float = 4.0,
+        request_decay: float = 0.9,
     ) -> None:
         if max_k < 0:
             raise ConfigError(f"max_k must be >= 0, got {max_k}.")
@@ -209,6 +231,11 @@ class AdaptiveK:
             raise ConfigError(f"min_gain must be in [0, 1), got {min_gain}.")
         if not (math.isfinite(confidence) and confidence >= 0):
             raise ConfigError(f"confidence must be a finite number >= 0, got {confidence}.")
+        if not (request_weight > 0 and request_cap > 0 and 0.0 < request_decay <= 1.0):
+            raise ConfigError(
+                "need request_weight > 0, request_cap > 0 and 0 < request_decay <= 1, got "
+                f"{request_weight}, {request_cap} and {request_decay}."
+            )
         self.max_k = max_k
         self.lookahead = max_k if lookahead is None else lookahead  # P: the depths a request drafts with at most
         self.prior_acceptance = prior_acceptance
@@ -220,8 +247,14 @@ class AdaptiveK:
         self.max_backoff = max_backoff
         self.min_gain = min_gain
         self.confidence = confidence
-        self.seen = [0.0] * max_k  # [i]: decayed count of steps that reached draft position i+1
-        self.accepted = [0.0] * max_k  # [i]: decayed count of those that accepted it
+        self.request_weight = request_weight
+        self.request_cap = request_cap
+        self.request_decay = request_decay
+        # the pool: [i] decayed weight of the requests (or anonymous steps) that reached draft
+        # position i+1, and of their acceptance rates there (observe(), finish_request())
+        self.seen = [0.0] * max_k
+        self.accepted = [0.0] * max_k
+        self._requests: dict[Hashable, tuple[list[float], list[float]]] = {}  # running -> (seen, accepted)
         self.costs: dict[int, list[float]] = {}  # bucket -> step_s[0..max_k]
         self.catch_up: dict[int, list[float]] = {}  # bucket -> seconds per emitted token, later (set with costs)
         self.prompt_s: dict[int, float] = {}  # bucket -> seconds of the drafter's pass per prompt position
@@ -236,39 +269,76 @@ class AdaptiveK:
         self._admitted = DecayedMean(decay)  # prompt positions of the requests admitted to draft
         self._could_pay: dict[int, bool] = {}  # bucket -> drafting_could_pay, until the next set_costs
 
-    def observe(self, num_drafts: Sequence[int], num_accepted: Sequence[int]) -> None:
-        """Record one verify step: per request, ``num_drafts`` drafted and the first
-        ``num_accepted`` of them accepted (host ints, ``0 <= a <= n <= max_k``)."""
-        if len(num_drafts) != len(num_accepted):
-            raise ValueError(f"{len(num_drafts)} num_drafts but {len(num_accepted)} num_accepted")
+    def observe(
+        self, num_drafts: Sequence[int], num_accepted: Sequence[int], requests: Sequence[Hashable] | None = None
+    ) -> None:
+        """Record one verify step: per row, ``num_drafts`` drafted and the first ``num_accepted`` of
+        them accepted (host ints, ``0 <= a <= n <= max_k``). ``requests``: the request of each row;
+        its counts build its own estimates and enter the pool when it finishes
+        (:meth:`finish_request`). None: the rows enter the pool at once, one unit per step that
+        reaches a position, decayed by ``decay`` (for callers that do not track requests)."""
+        if len(num_drafts) != len(num_accepted) or (requests is not None and len(requests) != len(num_drafts)):
+            raise ValueError(f"{len(num_drafts)} num_drafts but {len(num_accepted)} num_accepted (or requests)")
         seen, accepted = [0] * self.max_k, [0] * self.max_k
-        for n, a in zip(num_drafts, num_accepted):
+        for row, (n, a) in enumerate(zip(num_drafts, num_accepted)):
             if not 0 <= a <= n <= self.max_k:
                 raise ValueError(f"need 0 <= num_accepted <= num_drafts <= {self.max_k}, got {a} and {n}")
+            own = None
+            if requests is not None:
+                own = self._requests.setdefault(requests[row], ([0.0] * self.max_k, [0.0] * self.max_k))
             for i in range(drafts_reached(n, a)):
                 seen[i] += 1
                 accepted[i] += i < a
+                if own is not None:
+                    own[0][i] += 1
+                    own[1][i] += i < a
+        if requests is not None:
+            return
         for i in range(self.max_k):
             if seen[i]:
                 self.seen[i] = self.decay * self.seen[i] + seen[i]
                 self.accepted[i] = self.decay * self.accepted[i] + accepted[i]
 
-    def acceptance(self) -> list[float]:
-        """Conditional acceptance estimates ``alpha_1..alpha_max_k`` (docs/design.md §6)."""
+    def finish_request(self, request: Hashable) -> None:
+        """``request`` has finished: its counts enter the pool as one unit per position it reached
+        (less where it reached a position fewer than ``request_cap`` times: weight ``min(1, seen /
+        request_cap)``), at its own acceptance rate there, the pool's earlier weight decayed by
+        ``request_decay`` (module doc). Unknown requests (never observed) change nothing."""
+        counts = self._requests.pop(request, None)
+        if counts is None:
+            return
+        for i, (seen, accepted) in enumerate(zip(*counts)):
+            if seen:
+                weight = min(1.0, seen / self.request_cap)
+                self.seen[i] = self.request_decay * self.seen[i] + weight
+                self.accepted[i] = self.request_decay * self.accepted[i] + weight * accepted / seen
+
+    def acceptance(self, request: Hashable | None = None) -> list[float]:
+        """Conditional acceptance estimates ``alpha_1..alpha_max_k`` (docs/design.md §6): the pool's,
+        or with ``request`` (a running request observed before) that request's own counts over
+        ``request_weight`` pseudo-observations at the pool's estimates."""
         w, p = self.prior_weight, self.prior_acceptance
-        return [(acc + w * p) / (seen + w) for acc, seen in zip(self.accepted, self.seen)]
+        pool = [(acc + w * p) / (seen + w) for acc, seen in zip(self.accepted, self.seen)]
+        own = None if request is None else self._requests.get(request)
+        if own is None:
+            return pool
+        v = self.request_weight
+        return [(acc + v * q) / (seen + v) for seen, acc, q in zip(*own, pool)]
 
     def expected_tokens(self, k: int) -> float:
         """``E(k)``: expected tokens one request emits per step with k drafts."""
         return self.expected_tokens_all()[k]
 
-    def acceptance_bounds(self, confidence: float) -> list[float]:
-        """Upper bounds of ``alpha_1..alpha_max_k``: each estimate plus ``confidence`` of its
-        standard error over ``seen_i + w`` observations (prior included), at most 1."""
-        w = self.prior_weight
+    def acceptance_bounds(self, confidence: float, request: Hashable | None = None) -> list[float]:
+        """Upper bounds of ``alpha_1..alpha_max_k`` (:meth:`acceptance`, of the pool or of
+        ``request``): each estimate plus ``confidence`` of its standard error over ``seen_i + w``
+        observations (the pool: its weight in requests plus the prior's ``prior_weight``; a request:
+        its own observations plus ``request_weight``), at most 1."""
+        own = None if request is None else self._requests.get(request)
+        seen, w = (self.seen, self.prior_weight) if own is None else (own[0], self.request_weight)
         return [
-            min(1.0, a + confidence * math.sqrt(a * (1.0 - a) / (seen + w)))
-            for a, seen in zip(self.acceptance(), self.seen)
+            min(1.0, a + confidence * math.sqrt(a * (1.0 - a) / (n + w)))
+            for a, n in zip(self.acceptance(request), seen)
         ]
 
     def expected_tokens_all(self, acceptance: Sequence[float] | None = None) -> list[float]:
@@ -338,11 +408,19 @@ class AdaptiveK:
         (:meth:`set_costs`, measured with the same bucket's step costs; :meth:`_row_steps`)."""
         return self._row_steps(bucket, None)[1]
 
-    def best_k_at(self, bucket: int, confidence: float = 0.0, row_depths: Sequence[int] | None = None) -> int:
-        """The k maximising expected tokens/s at ``bucket`` now with every estimate at its upper
-        bound at ``confidence`` (0: the estimates themselves; no probing, nothing recorded), for
-        rows that keep ``row_depths`` (:meth:`_row_steps`)."""
-        return self._best_k_given(bucket, self.acceptance_bounds(confidence) if confidence else None, row_depths)
+    def best_k_at(
+        self,
+        bucket: int,
+        confidence: float = 0.0,
+        row_depths: Sequence[int] | None = None,
+        request: Hashable | None = None,
+    ) -> int:
+        """The k maximising expected tokens/s at ``bucket`` now with every estimate (the pool's, or
+        ``request``'s: :meth:`acceptance`) at its upper bound at ``confidence`` (0: the estimates
+        themselves; no probing, nothing recorded), for rows that keep ``row_depths``
+        (:meth:`_row_steps`)."""
+        acceptance = self.acceptance_bounds(confidence, request) if confidence else self.acceptance(request)
+        return self._best_k_given(bucket, acceptance, row_depths)
 
     def drafting_could_pay(self, bucket: int) -> bool:
         """Whether any acceptance could make drafting pay at ``bucket``: with every draft accepted
@@ -397,17 +475,35 @@ class AdaptiveK:
         beats plain decoding by ``min_gain``."""
         return self._best_of(*self._row_steps(bucket, acceptance, row_depths))
 
-    def best_k(self, bucket: int, row_depths: Sequence[int] | None = None) -> int:
-        """The k to draft at ``bucket`` now (no probing, nothing recorded): the estimates' best,
-        and where that is 0, the optimistic one (module doc); ``row_depths``: the depths each row
-        of the step keeps (0: it decodes plainly; None: every row every depth)."""
-        return self.best_k_at(bucket, 0.0, row_depths) or self.best_k_at(bucket, self.confidence, row_depths)
+    def best_k(self, bucket: int, row_depths: Sequence[int] | None = None, request: Hashable | None = None) -> int:
+        """The k to draft at ``bucket`` now (no probing, nothing recorded), by the pool's estimates
+        or ``request``'s (:meth:`acceptance`): where their best is 0, the best with every estimate
+        at its upper bound; else the best with the next position, the one just past it, at its upper
+        bound (module doc). ``row_depths``: the depths each row of the step keeps (0: it decodes
+        plainly; None: every row every depth)."""
+        estimates = self.acceptance(request)
+        best = self._best_k_given(bucket, estimates, row_depths)
+        if not self.confidence or best == self.max_k:
+            return best
+        bounds = self.acceptance_bounds(self.confidence, request)
+        if best == 0:
+            return self._best_k_given(bucket, bounds, row_depths)
+        estimates[best] = bounds[best]  # position best + 1
+        return self._best_k_given(bucket, estimates, row_depths)
 
-    def choose(self, bucket: int, row_depths: Sequence[int] | None = None, probe: bool = True) -> int:
+    def choose(
+        self,
+        bucket: int,
+        row_depths: Sequence[int] | None = None,
+        probe: bool = True,
+        request: Hashable | None = None,
+    ) -> int:
         """k for this engine step at ``bucket`` whose rows keep ``row_depths`` (:meth:`best_k`), or
         max_k on a probe step. ``probe=False``: no row could draft max_k (each keeps fewer depths,
-        :meth:`depths_for`), so a probe that is due stays due."""
-        best = self.best_k(bucket, row_depths)
+        :meth:`depths_for`), so a probe that is due stays due. ``request``: the step's one drafting
+        request, whose own estimates then choose (the engine names it at batch 1); None: the
+        pool's."""
+        best = self.best_k(bucket, row_depths, request)
         due = self._due(bucket, best) if self._probes(bucket) else math.inf  # scheduled before this step
         self.steps[bucket] += 1
         k = best
@@ -415,7 +511,8 @@ class AdaptiveK:
             self.probes += 1
             k = self.max_k
             settled = (
-                self._probe_best.get(bucket) == best and self.best_k_at(bucket, self.confidence, row_depths) == best
+                self._probe_best.get(bucket) == best
+                and self.best_k_at(bucket, self.confidence, row_depths, request) == best
             )
             self._backoff[bucket] = min(self.max_backoff, self._backoff[bucket] + 1) if settled else 0
             self._probe_best[bucket] = best
@@ -506,18 +603,30 @@ class AdaptiveK:
         ``running``: the depths that running requests draft with. Rows of another number of depths
         run a drafting round of their own, so an ``m`` among none of them costs the batch one more
         round per step for the request's ``new_tokens / E(m)`` steps, priced at ``step_s[1] -
-        step_s[0]`` (a k = 1 step's round and its wider verify: at most what a round costs)."""
+        step_s[0]`` (a k = 1 step's round and its wider verify: at most what a round costs).
+        The pool's estimates choose ``m``; then, as for a step's k (:meth:`best_k`), the choice is
+        made again with position ``m + 1`` at its upper bound, which keeps more depths only where
+        that position, priced optimistically, would pay for them: a request kept to ``m`` depths
+        never observes it."""
         P, expected = self.lookahead, self.expected_tokens_all()
         step_s = self.step_costs(bucket)
         pass_s = prompt_positions * self._prompt_price(bucket)
 
-        def value(m: int) -> float:
-            value = new_tokens * self._row_saving(bucket, None, m) - pass_s * m / P
+        def value(m: int, acceptance: Sequence[float]) -> float:
+            value = new_tokens * self._row_saving(bucket, acceptance, m) - pass_s * m / P
             if running and m not in running:  # one more drafting round per step while it runs
                 value -= new_tokens / expected[min(m, self.max_k)] * (step_s[1] - step_s[0])
             return value
 
-        return max(range(1, P + 1), key=lambda m: (value(m), -m))
+        def best(acceptance: Sequence[float]) -> int:
+            return max(range(1, P + 1), key=lambda m: (value(m, acceptance), -m))
+
+        estimates = self.acceptance()
+        depths = best(estimates)
+        if depths < P and self.confidence:  # the next position at its upper bound
+            estimates[depths] = self.acceptance_bounds(self.confidence)[depths]
+            depths = best(estimates)
+        return depths
 
     def note_admission(self, prompt_positions: int) -> None:
         """Record a request admitted to draft, whose drafter passes over ``prompt_positions``:

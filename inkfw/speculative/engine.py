@@ -462,7 +462,7 @@ class Engine:
             accepted = [row[0] for row in rows]
             self.metrics.record(counts, accepted)
             if self.adaptive is not None and self._forced_k is None:
-                self.adaptive.observe(counts, accepted)
+                self.adaptive.observe(counts, accepted, [r.id for r in decodes])
             hiddens = verdict.hidden.unbind(0)  # one op for every row's [1 + k, H]
             for b, r in enumerate(decodes):
                 a, n, L = accepted[b], counts[b], len(r.token_ids)
@@ -547,15 +547,18 @@ class Engine:
             mean = self._typical_step_s.get(bucket)
             self._typical_step_s[bucket] = seconds if mean is None else 0.95 * mean + 0.05 * seconds
 
-    def _round_k(self, bucket: int, row_depths: Sequence[int], probe: bool = True) -> int:
+    def _round_k(
+        self, bucket: int, row_depths: Sequence[int], probe: bool = True, request: Request | None = None
+    ) -> int:
         """k of this drafting round: the drafter's, or adaptive k's choice for the batch bucket
         whose rows keep ``row_depths`` (0: the row decodes plainly); ``probe``: whether a row
-        keeps every depth, as a probe needs."""
+        keeps every depth, as a probe needs; ``request``: the round's one row at batch 1, whose
+        own acceptance estimates then choose (:meth:`AdaptiveK.choose`)."""
         if self._forced_k is not None:
             return self._forced_k
         if self.adaptive is None:
             return self.drafter.num_tokens
-        return self.adaptive.choose(bucket, row_depths, probe)
+        return self.adaptive.choose(bucket, row_depths, probe, None if request is None else request.id)
 
     def _probe_soon(self, bucket: int) -> bool:
         """Whether adaptive k probes ``bucket`` before a lag started now could outgrow
@@ -619,7 +622,8 @@ class Engine:
         probe = any(_keeps_every_depth(r) for r in requests)
         # rows of the step that decode plainly: num_rows >= len(spans) (step())
         row_depths = [self._depths_kept(r) for r in requests] + [0] * (num_rows - len(spans))
-        k = self._round_k(bucket, row_depths, probe)
+        alone = requests[0] if num_rows == 1 and len(requests) == 1 else None  # batch 1: its own estimates
+        k = self._round_k(bucket, row_depths, probe, alone)
         if k == 0 and self.drafter.needs_hidden:
             probe_soon = self._probe_soon(bucket)
             for s in spans:
@@ -867,6 +871,8 @@ class Engine:
         r.status, r.finish_reason, r.finish_time = RequestStatus.FINISHED, FinishReason.ERROR, time.perf_counter()
 
     def _release(self, r: Request) -> None:
+        if self.adaptive is not None:
+            self.adaptive.finish_request(r.id)  # its acceptance counts enter the pool
         if r in self.running:
             self.running.remove(r)
         self.kv.free(r.id)
