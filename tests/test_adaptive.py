@@ -682,6 +682,27 @@ def test_requests_weigh_by_how_often_they_reached_a_position_and_decay():
         adaptive.observe([1, 1], [1, 0], requests=["c"])
 
 
+def test_running_requests_count_in_the_pool_as_they_stand():
+    """Requests side by side finish together (batch 16), so the pool counts each running request
+    as it would enter it: 16 requests rejecting position 2 move the pool at once, and k = 2, which
+    pays at position 2's prior, stops paying before any of them has finished."""
+    adaptive = AdaptiveK(max_k=2, probe_every=0)
+    adaptive.set_costs(16, [1.0, 1.6, 1.9])  # k = 1 pays at 0.85; k = 2 only while position 2 looks good
+    ids = list(range(16))
+    adaptive.observe([2] * 16, [2] * 16, requests=ids)  # a first step: everything accepted
+    assert adaptive.best_k_at(16) == 2
+    for _ in range(7):
+        adaptive.observe([2] * 16, [1] * 16, requests=ids)  # then position 2 always rejected
+    assert adaptive.seen == [0.0, 0.0]  # none has finished
+    units, rates = adaptive.pool_counts()
+    assert units == pytest.approx([16.0, 16.0]) and rates == pytest.approx([16.0, 16 / 8])
+    assert adaptive.acceptance()[1] == pytest.approx((2.0 + 2 * 0.7) / (16 + 2))
+    assert adaptive.best_k(16) == 1
+    for i in ids:
+        adaptive.finish_request(i)
+    assert adaptive.pool_counts() == (adaptive.seen, adaptive.accepted) and adaptive.best_k(16) == 1
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [

@@ -255,6 +255,7 @@ class AdaptiveK:
         self.seen = [0.0] * max_k
         self.accepted = [0.0] * max_k
         self._requests: dict[Hashable, tuple[list[float], list[float]]] = {}  # running -> (seen, accepted)
+        self._running: tuple[list[float], list[float]] | None = None  # their units in the pool (_running_units)
         self.costs: dict[int, list[float]] = {}  # bucket -> step_s[0..max_k]
         self.catch_up: dict[int, list[float]] = {}  # bucket -> seconds per emitted token, later (set with costs)
         self.prompt_s: dict[int, float] = {}  # bucket -> seconds of the drafter's pass per prompt position
@@ -285,6 +286,7 @@ class AdaptiveK:
                 raise ValueError(f"need 0 <= num_accepted <= num_drafts <= {self.max_k}, got {a} and {n}")
             own = None
             if requests is not None:
+                self._running = None
                 own = self._requests.setdefault(requests[row], ([0.0] * self.max_k, [0.0] * self.max_k))
             for i in range(drafts_reached(n, a)):
                 seen[i] += 1
@@ -307,23 +309,49 @@ class AdaptiveK:
         counts = self._requests.pop(request, None)
         if counts is None:
             return
+        self._running = None
         for i, (seen, accepted) in enumerate(zip(*counts)):
             if seen:
                 weight = min(1.0, seen / self.request_cap)
                 self.seen[i] = self.request_decay * self.seen[i] + weight
                 self.accepted[i] = self.request_decay * self.accepted[i] + weight * accepted / seen
 
+    def _running_units(self) -> tuple[list[float], list[float]]:
+        """The running requests as they stand, as they would enter the pool (:meth:`finish_request`):
+        per position, their units and their units times their rates (kept until the next
+        :meth:`observe` with requests or :meth:`finish_request`)."""
+        if self._running is None:
+            units, rates = [0.0] * self.max_k, [0.0] * self.max_k
+            for seen, accepted in self._requests.values():
+                for i, (n, a) in enumerate(zip(seen, accepted)):
+                    if n:
+                        weight = min(1.0, n / self.request_cap)
+                        units[i] += weight
+                        rates[i] += weight * a / n
+            self._running = units, rates
+        return self._running
+
+    def pool_counts(self) -> tuple[list[float], list[float]]:
+        """The pool's weight per position and its accepted weight: the finished requests' (and
+        anonymous steps'), plus each running request's units as it stands. Requests that run side
+        by side finish together (batch 16: 16 requests of 64 tokens), and a pool of finished ones
+        alone would learn nothing while they run."""
+        units, rates = self._running_units()
+        return [s + u for s, u in zip(self.seen, units)], [a + r for a, r in zip(self.accepted, rates)]
+
     def acceptance(self, request: Hashable | None = None) -> list[float]:
-        """Conditional acceptance estimates ``alpha_1..alpha_max_k`` (docs/design.md §6): the pool's,
-        or with ``request`` (a running request observed before) that request's own counts over
-        ``request_weight`` pseudo-observations at the pool's estimates."""
+        """Conditional acceptance estimates ``alpha_1..alpha_max_k`` (docs/design.md §6): the pool's
+        (:meth:`pool_counts`, running requests included), or with ``request`` (a running request
+        observed before) that request's own counts over ``request_weight`` pseudo-observations at the
+        finished requests' estimates."""
         w, p = self.prior_weight, self.prior_acceptance
-        pool = [(acc + w * p) / (seen + w) for acc, seen in zip(self.accepted, self.seen)]
         own = None if request is None else self._requests.get(request)
         if own is None:
-            return pool
+            seen, accepted = self.pool_counts()
+            return [(acc + w * p) / (n + w) for acc, n in zip(accepted, seen)]
         v = self.request_weight
-        return [(acc + v * q) / (seen + v) for seen, acc, q in zip(*own, pool)]
+        finished = [(acc + w * p) / (n + w) for acc, n in zip(self.accepted, self.seen)]
+        return [(acc + v * q) / (n + v) for n, acc, q in zip(*own, finished)]
 
     def expected_tokens(self, k: int) -> float:
         """``E(k)``: expected tokens one request emits per step with k drafts."""
@@ -335,7 +363,7 @@ class AdaptiveK:
         observations (the pool: its weight in requests plus the prior's ``prior_weight``; a request:
         its own observations plus ``request_weight``), at most 1."""
         own = None if request is None else self._requests.get(request)
-        seen, w = (self.seen, self.prior_weight) if own is None else (own[0], self.request_weight)
+        seen, w = (self.pool_counts()[0], self.prior_weight) if own is None else (own[0], self.request_weight)
         return [
             min(1.0, a + confidence * math.sqrt(a * (1.0 - a) / (n + w)))
             for a, n in zip(self.acceptance(request), seen)
