@@ -11,13 +11,15 @@ pick the k in 0..max_k that maximises expected tokens per second.
   (:meth:`AdaptiveK.finish_request`): each enters it as one unit per position it reached, at its
   own rate there (``min(1, seen / request_cap)`` of a unit where it reached the position fewer than
   ``request_cap`` times), the pool's earlier weight decayed by ``request_decay`` at each request
-  that reached the position. The pool's estimate has a prior of ``prior_weight`` units at
+  that reached the position; a running request counts in it as it stands, as it would enter it
+  (:meth:`AdaptiveK.pool_counts`: requests side by side finish together, and a pool of finished
+  ones alone would learn nothing while they run). The pool's estimate has a prior of ``prior_weight`` units at
   ``prior_acceptance``: ``alpha_i = (acc_i + w p) / (seen_i + w)``; a running request's own is
-  its counts over ``request_weight`` pseudo-observations at the pool's:
+  its counts over ``request_weight`` pseudo-observations at the finished requests' pool's:
   ``(acc_i^r + v alpha_i) / (seen_i^r + v)``. Admission, depths and probes price by the pool; a
   step whose one row is one request (batch 1) chooses by that request's estimates. Pooled by
-  steps, as before, the first stdlib prompt's 31 rejections set the estimate every later request
-  was admitted by: position 2 at 0.16-0.21, each request kept to 1 depth at k = 1, and only probes
+  steps, as before, the first stdlib prompt's 7-10 rejections (the bench's warm-up and its first
+  run) set the estimate every later request was admitted by: position 2 at 0.16-0.21, each request kept to 1 depth at k = 1, and only probes
   observed position 2 again (the trap, BENCHMARKS.md "Twenty-seventh session"). Observations
   with no request named enter the pool at once, one unit per step that reached a position, old
   counts multiplied by ``decay`` at each :meth:`AdaptiveK.observe` call that sees the position.
