@@ -282,22 +282,22 @@ class AdaptiveK:
         reaches a position, decayed by ``decay`` (for callers that do not track requests)."""
         if len(num_drafts) != len(num_accepted) or (requests is not None and len(requests) != len(num_drafts)):
             raise ValueError(f"{len(num_drafts)} num_drafts but {len(num_accepted)} num_accepted (or requests)")
-        seen, accepted = [0] * self.max_k, [0] * self.max_k
+        step = [0.0] * self.max_k, [0.0] * self.max_k  # the step's own counts (no requests named)
         for row, (n, a) in enumerate(zip(num_drafts, num_accepted)):
             if not 0 <= a <= n <= self.max_k:
                 raise ValueError(f"need 0 <= num_accepted <= num_drafts <= {self.max_k}, got {a} and {n}")
-            own = None
-            if requests is not None:
-                self._running = None
-                own = self._requests.setdefault(requests[row], ([0.0] * self.max_k, [0.0] * self.max_k))
+            counts = (
+                step
+                if requests is None
+                else self._requests.setdefault(requests[row], ([0.0] * self.max_k, [0.0] * self.max_k))
+            )
             for i in range(drafts_reached(n, a)):
-                seen[i] += 1
-                accepted[i] += i < a
-                if own is not None:
-                    own[0][i] += 1
-                    own[1][i] += i < a
+                counts[0][i] += 1
+                counts[1][i] += i < a
         if requests is not None:
+            self._running = None
             return
+        seen, accepted = step
         for i in range(self.max_k):
             if seen[i]:
                 self.seen[i] = self.decay * self.seen[i] + seen[i]
@@ -312,24 +312,27 @@ class AdaptiveK:
         if counts is None:
             return
         self._running = None
-        for i, (seen, accepted) in enumerate(zip(*counts)):
+        for i, (seen, weight, accepted) in enumerate(zip(counts[0], *self._as_units(counts))):
             if seen:
-                weight = min(1.0, seen / self.request_cap)
                 self.seen[i] = self.request_decay * self.seen[i] + weight
-                self.accepted[i] = self.request_decay * self.accepted[i] + weight * accepted / seen
+                self.accepted[i] = self.request_decay * self.accepted[i] + accepted
+
+    def _as_units(self, counts: tuple[list[float], list[float]]) -> tuple[list[float], list[float]]:
+        """One request's ``(seen, accepted)`` counts as it enters the pool: per position, its weight
+        ``min(1, seen / request_cap)`` and that weight times its rate there (0 where unseen)."""
+        units = [min(1.0, n / self.request_cap) for n in counts[0]]
+        return units, [u * a / n if n else 0.0 for u, n, a in zip(units, *counts)]
 
     def _running_units(self) -> tuple[list[float], list[float]]:
-        """The running requests as they stand, as they would enter the pool (:meth:`finish_request`):
-        per position, their units and their units times their rates (kept until the next
-        :meth:`observe` with requests or :meth:`finish_request`)."""
+        """The running requests as they stand, summed as they would enter the pool
+        (:meth:`_as_units`), kept until the next :meth:`observe` with requests or
+        :meth:`finish_request`."""
         if self._running is None:
             units, rates = [0.0] * self.max_k, [0.0] * self.max_k
-            for seen, accepted in self._requests.values():
-                for i, (n, a) in enumerate(zip(seen, accepted)):
-                    if n:
-                        weight = min(1.0, n / self.request_cap)
-                        units[i] += weight
-                        rates[i] += weight * a / n
+            for counts in self._requests.values():
+                for i, (u, r) in enumerate(zip(*self._as_units(counts))):
+                    units[i] += u
+                    rates[i] += r
             self._running = units, rates
         return self._running
 
@@ -346,14 +349,17 @@ class AdaptiveK:
         (:meth:`pool_counts`, running requests included), or with ``request`` (a running request
         observed before) that request's own counts over ``request_weight`` pseudo-observations at the
         finished requests' estimates."""
-        w, p = self.prior_weight, self.prior_acceptance
         own = None if request is None else self._requests.get(request)
         if own is None:
-            seen, accepted = self.pool_counts()
-            return [(acc + w * p) / (n + w) for acc, n in zip(accepted, seen)]
-        v = self.request_weight
-        finished = [(acc + w * p) / (n + w) for acc, n in zip(self.accepted, self.seen)]
+            return self._with_prior(*self.pool_counts())
+        v, finished = self.request_weight, self._with_prior(self.seen, self.accepted)
         return [(acc + v * q) / (n + v) for n, acc, q in zip(*own, finished)]
+
+    def _with_prior(self, seen: Sequence[float], accepted: Sequence[float]) -> list[float]:
+        """``(acc_i + w p) / (seen_i + w)``: pooled counts with the prior's ``prior_weight`` units at
+        ``prior_acceptance``."""
+        w, p = self.prior_weight, self.prior_acceptance
+        return [(acc + w * p) / (n + w) for n, acc in zip(seen, accepted)]
 
     def expected_tokens(self, k: int) -> float:
         """``E(k)``: expected tokens one request emits per step with k drafts."""
@@ -364,12 +370,13 @@ class AdaptiveK:
         ``request``): each estimate plus ``confidence`` of its standard error over ``seen_i + w``
         observations (the pool: its weight in requests plus the prior's ``prior_weight``; a request:
         its own observations plus ``request_weight``), at most 1."""
+        return self._bounds_of(self.acceptance(request), confidence, request)
+
+    def _bounds_of(self, estimates: Sequence[float], confidence: float, request: Hashable | None) -> list[float]:
+        """:meth:`acceptance_bounds` of ``estimates``, already worked out (``acceptance(request)``)."""
         own = None if request is None else self._requests.get(request)
         seen, w = (self.pool_counts()[0], self.prior_weight) if own is None else (own[0], self.request_weight)
-        return [
-            min(1.0, a + confidence * math.sqrt(a * (1.0 - a) / (n + w)))
-            for a, n in zip(self.acceptance(request), seen)
-        ]
+        return [min(1.0, a + confidence * math.sqrt(a * (1.0 - a) / (n + w))) for a, n in zip(estimates, seen)]
 
     def expected_tokens_all(self, acceptance: Sequence[float] | None = None) -> list[float]:
         """``E(0) .. E(max_k)`` in one pass over the estimates (or over ``acceptance``)."""
@@ -515,7 +522,7 @@ class AdaptiveK:
         best = self._best_k_given(bucket, estimates, row_depths)
         if not self.confidence or best == self.max_k:
             return best
-        bounds = self.acceptance_bounds(self.confidence, request)
+        bounds = self._bounds_of(estimates, self.confidence, request)
         if best == 0:
             return self._best_k_given(bucket, bounds, row_depths)
         estimates[best] = bounds[best]  # position best + 1
@@ -654,7 +661,7 @@ class AdaptiveK:
         estimates = self.acceptance()
         depths = best(estimates)
         if depths < P and self.confidence:  # the next position at its upper bound
-            estimates[depths] = self.acceptance_bounds(self.confidence)[depths]
+            estimates[depths] = self._bounds_of(estimates, self.confidence, None)[depths]
             depths = best(estimates)
         return depths
 
