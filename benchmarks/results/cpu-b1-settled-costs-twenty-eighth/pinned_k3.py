@@ -1,0 +1,75 @@
+"""The `auto` engine pinned to k = 3 with 3 depths a request, against fixed k = 3 (BENCHMARKS.md,
+"Twenty-eighth session").
+
+An ad hoc research script, kept with its results as the record of how they were made; it is not
+maintained with the package. Run from the repository root with the project's venv:
+
+    python benchmarks/results/cpu-b1-settled-costs-twenty-eighth/pinned_k3.py HUMANEVAL_PROMPTS [PROFILE]
+
+Builds, as scripts/bench.py does (compiled, batch 1, 1 thread), fixed k = 3 and `auto` engines; the
+`auto` engine's choice is pinned to k = 3 (no probes) and every request keeps 3 depths. Serves the
+first HUMANEVAL_PROMPTS HumanEval prompts with both in turn (order alternating per prompt), 64 new
+tokens, EOS ignored, and prints tokens/s, step-time split (verify, draft, bookkeeping, forwards)
+and, with PROFILE, the functions whose own time differs most between the two (cProfile).
+"""
+import cProfile, pstats, sys, time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+
+import inkfw
+from inkfw.bench import run as R
+from inkfw.bench.plan import BenchRun
+from inkfw.bench.prompt_sets import load_prompt_set
+from inkfw.bench.run import _build_case, _generate, shared_max_model_len
+from inkfw.speculative.factory import load_tokenizer
+from inkfw.speculative.engine import StepTimes
+
+H = int(sys.argv[1])
+profile = len(sys.argv) > 2
+torch.set_num_threads(1)
+with initialize_config_dir(config_dir=str(Path(inkfw.__file__).resolve().parent / "conf"), version_base=None):
+    cfg = compose("bench", overrides=["modes=[compiled]", "batch_sizes=[1]", "num_tokens=[auto]", "hf=[]", "forward_ops=[]"])
+tok = load_tokenizer(cfg.model)
+mcfg = R.model_config(cfg.model)
+sets = {n: load_prompt_set(n, tok, 164, mcfg.logits_vocab_size, 32, 0) for n in ["stdlib-heldout", "humaneval"]}
+model = R.build_model(cfg.model, mtp_depths=None, dtype=torch.float32, device=torch.device("cpu"), embed_source="backbone_norm")
+mml = shared_max_model_len(max(len(p) for s in sets.values() for p in s) + 64 + 8 + 16, mcfg.max_position_embeddings)
+
+cases = {}
+for name, k in [("k3", 3), ("auto3", "auto")]:
+    c = _build_case(cfg, BenchRun("inkfw", "compiled", "mtp", k, 1), model, tok, mml, True)
+    for prompts in sets.values():
+        _generate(c.engine, [prompts[0]], 8, name)
+    cases[name] = c
+auto = cases["auto3"].engine
+auto.adaptive.choose = lambda *args, **kwargs: 3
+auto._admission_depths = lambda r, num_rows: 3
+for c in cases.values():
+    c.engine.times = StepTimes()
+profiles = {n: cProfile.Profile() for n in cases}
+wall = defaultdict(float)
+for j, p in enumerate(sets["humaneval"][:H]):
+    for n in (["k3", "auto3"] if j % 2 == 0 else ["auto3", "k3"]):
+        if profile:
+            profiles[n].enable()
+        w, _ = _generate(cases[n].engine, [p], 64, n)
+        if profile:
+            profiles[n].disable()
+        wall[n] += w
+for n, c in cases.items():
+    t = c.engine.times
+    print(n, f"tokens/s {64 * H / wall[n]:.1f}", f"steps {t.num_steps}", f"verify {t.verify_s:.3f}", f"draft {t.draft_s:.3f}",
+          f"bookkeeping {t.bookkeeping_s:.3f}", f"forward {t.forward_s:.3f}", f"prompt {t.prompt_s:.3f}")
+if profile:
+    own = {}
+    for n, pr in profiles.items():
+        st = pstats.Stats(pr)
+        own[n] = {f"{f[0].split('/')[-1]}:{f[1]}:{f[2]}": v[2] for f, v in st.stats.items()}
+    keys = set(own["k3"]) | set(own["auto3"])
+    diff = sorted(keys, key=lambda f: own["auto3"].get(f, 0) - own["k3"].get(f, 0), reverse=True)
+    print("own time, s: auto3 - k3 (top 25)")
+    for f in diff[:25]:
+        print(f"{own['auto3'].get(f, 0) - own['k3'].get(f, 0):+.3f}  auto3 {own['auto3'].get(f, 0):.3f}  k3 {own['k3'].get(f, 0):.3f}  {f}")

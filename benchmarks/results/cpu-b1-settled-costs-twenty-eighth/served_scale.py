@@ -1,0 +1,194 @@
+"""Cold starts of `spec.num_tokens=auto` with step costs scaled to served steps (BENCHMARKS.md,
+"Twenty-eighth session"; the twenty-seventh session's cold_starts.py with its old patches left out
+and one new patch, served_scale).
+
+An ad hoc research script, kept with its results as the record of how they were made; it is not
+maintained with the package. Run from the repository root with the project's venv:
+
+    python benchmarks/results/cpu-b1-settled-costs-twenty-eighth/served_scale.py TRIALS HUMANEVAL_PROMPTS VARIANTS
+
+Engines, trials and output as in the twenty-seventh session's script (ratio = k = 2's wall / the
+engine's; k3 = k = 2's wall / k = 3's). VARIANTS, comma-separated, each "head" or
+ATTR=VALUE[+ATTR=VALUE] set on the restored AdaptiveK copy. The patch: with ``served_scale=1``
+every warm-up step cost of a bucket is multiplied by one factor learned from served steps, the
+decayed geometric mean (0.98 a sample, a prior of 8 samples at 1) of served/warm-up over *steady*
+decode steps (no prefill, no probe in it or the step before, the same k as the step before, k
+forced by nothing). A uniform factor leaves every ratio between k, and so every choice of k, as
+it was; it changes what compares step seconds with other seconds: a request's depths and
+admission (savings per token against the prompt pass) and probe spacing (a carrier's pass
+against steps). A second patch, for process M: ``depths_optimism=0`` chooses a request's depths by
+the pool's estimates alone (HEAD chooses again with position m + 1 at its upper bound). A third,
+for process N: ``served_pass=1`` prices the drafter's pass over a prompt (admission, depths,
+carriers) at warm-up's ``prompt_s`` times the decayed geometric mean (0.9 a sample, a prior of 2
+at 1) of served over warm-up passes: the drafting seconds of a batch-1 prompt step over what
+warm-up's price gives for its prompt and the depths the request keeps.
+"""
+import copy, sys, time, os, json
+from pathlib import Path
+import inkfw
+from collections import Counter
+import torch
+from hydra import compose, initialize_config_dir
+from inkfw.bench.run import _build_case, _generate, shared_max_model_len
+from inkfw.bench.plan import BenchRun
+from inkfw.bench.prompt_sets import load_prompt_set
+from inkfw.speculative.factory import load_tokenizer
+from inkfw.bench import run as R
+
+T, H = int(sys.argv[1]), int(sys.argv[2])
+variants = sys.argv[3].split(",")  # auto engine i runs variants[(i + trial) % len(variants)]
+NA = int(os.environ.get("NA", "4"))
+torch.set_num_threads(1)
+with initialize_config_dir(config_dir=str(Path(inkfw.__file__).resolve().parent / "conf"), version_base=None):
+    cfg = compose("bench", overrides=["modes=[compiled]", "batch_sizes=[1]", "num_tokens=[2,3,auto]", "hf=[]", "forward_ops=[]"])
+tok = load_tokenizer(cfg.model)
+mcfg = R.model_config(cfg.model)
+sets = {n: load_prompt_set(n, tok, 164, mcfg.logits_vocab_size, 32, 0) for n in ["stdlib-heldout", "humaneval"]}
+model = R.build_model(cfg.model, mtp_depths=None, dtype=torch.float32, device=torch.device("cpu"), embed_source="backbone_norm")
+mml = shared_max_model_len(max(len(p) for s in sets.values() for p in s) + 64 + 8 + 16, mcfg.max_position_embeddings)
+from inkfw.speculative.adaptive import AdaptiveK
+import math
+from inkfw.speculative.adaptive import AdaptiveK
+from inkfw.speculative.engine import bucket_for
+
+_step_costs = AdaptiveK.step_costs
+
+
+def step_costs(self, bucket):
+    costs = _step_costs(self, bucket)
+    if not getattr(self, "served_scale", 0.0):
+        return costs
+    scale = self.__dict__.get("_scale", {}).get(self._measured_bucket(bucket))
+    return costs if scale is None else [c * math.exp(scale[0] / scale[1]) for c in costs]
+
+
+def note_served(self, bucket, k, seconds):
+    warm = _step_costs(self, bucket)[k]
+    key = self._measured_bucket(bucket)
+    total, weight = self.__dict__.setdefault("_scale", {}).get(key, (0.0, 8.0))
+    r = max(-math.log(2), min(math.log(2), math.log(seconds / warm)))
+    self._scale[key] = (0.98 * total + r, 0.98 * weight + 1.0)
+
+
+AdaptiveK.step_costs = step_costs
+
+_depths_for = AdaptiveK.depths_for
+
+
+def depths_for(self, *args, **kwargs):
+    # depths_optimism=0 (process M): a request's depths by the pool's estimates alone, without
+    # HEAD's second choice with position m + 1 at its upper bound
+    if getattr(self, "depths_optimism", 1.0):
+        return _depths_for(self, *args, **kwargs)
+    saved, self.confidence = self.confidence, 0.0
+    try:
+        return _depths_for(self, *args, **kwargs)
+    finally:
+        self.confidence = saved
+
+
+AdaptiveK.depths_for = depths_for
+
+_prompt_price = AdaptiveK._prompt_price
+
+
+def prompt_price(self, bucket):
+    # served_pass=1 (process N): warm-up's price of the prompt pass times the decayed geometric
+    # mean of served over warm-up passes (note_pass)
+    price = _prompt_price(self, bucket)
+    scale = self.__dict__.get("_pass_scale") if getattr(self, "served_pass", 0.0) else None
+    return price if scale is None else price * math.exp(scale[0] / scale[1])
+
+
+def note_pass(self, seconds, positions, depths):
+    warm = _prompt_price(self, 1) * positions * depths / self.lookahead
+    if warm <= 0:
+        return
+    total, weight = self.__dict__.get("_pass_scale", (0.0, 2.0))
+    r = max(-math.log(4), min(math.log(4), math.log(seconds / warm)))
+    self._pass_scale = (0.9 * total + r, 0.9 * weight + 1.0)
+
+
+AdaptiveK._prompt_price = prompt_price
+
+
+def hook(engine):
+    import time
+    state = {"k": None, "prev": None}
+    round_k = engine._round_k
+
+    def recording_round_k(*args, **kwargs):
+        state["k"] = round_k(*args, **kwargs)
+        return state["k"]
+
+    engine._round_k = recording_round_k
+    step = engine.step
+
+    def timed_step():
+        state["k"] = None
+        prompt_steps, ad, draft_s = engine.times.prompt_steps, engine.adaptive, engine.times.draft_s
+        probes = ad.probes if ad is not None else 0
+        rows = len(engine.running)
+        t = time.perf_counter()
+        out = step()
+        seconds = time.perf_counter() - t
+        probed = ad is not None and ad.probes > probes
+        k, prev = state["k"], state["prev"]
+        steady = k is not None and k == prev and engine.times.prompt_steps == prompt_steps and not probed
+        if engine.times.prompt_steps > prompt_steps and len(engine.running) == 1 and engine._forced_k is None:
+            r = engine.running[0]  # batch 1: the step passed over this request's prompt alone
+            depths = engine._depths_kept(r) if not r.drafting_off else 0
+            if ad is not None and depths and getattr(ad, "served_pass", 0.0):
+                note_pass(ad, engine.times.draft_s - draft_s, len(r.prompt_token_ids), min(depths, ad.lookahead))
+        if steady and engine._forced_k is None and ad is not None and getattr(ad, "served_scale", 0.0) and rows:
+            note_served(ad, bucket_for(rows, engine.config.batch_buckets), k, seconds)
+        state["prev"] = None if probed else k
+        return out
+
+    engine.step = timed_step
+
+
+specs = [("k2", 2), ("k3", 3), ("k2b", 2)] + [(f"a{i}", "auto") for i in range(NA)]
+cases = {}
+for name, k in specs:
+    t0 = time.time()
+    c = _build_case(cfg, BenchRun("inkfw", "compiled", "mtp", k, 1), model, tok, mml, True)
+    if c.engine.adaptive is not None:
+        hook(c.engine)
+    for prompts in sets.values():
+        _generate(c.engine, [prompts[0]], 8, name)
+    cases[name] = c
+    print(f"built {name} {time.time()-t0:.0f}s", flush=True)
+snap = {n: copy.deepcopy(c.engine.adaptive) for n, c in cases.items() if c.engine.adaptive is not None}
+for n, ad in snap.items():
+    print(n, "costs_ms", [round(x*1e3, 2) for x in ad.costs_now(1)], "acc", [round(x, 2) for x in ad.acceptance()], "best", ad.best_k(1), "prompt_s", ad.prompt_s, flush=True)
+
+def apply(ad, variant):
+    for kv in variant.split("+"):
+        if kv == "head": continue
+        k, v = kv.split("=")
+        setattr(ad, k, float(v) if not isinstance(getattr(ad, k, 0.0), int) else int(v))
+        if k == "prior_weight": ad._could_pay = {}
+        if k == "per_request" and float(v):  # the shadow pool replaces HEAD's pooled counts
+            ad.seen, ad.accepted = list(ad.__dict__.get("_pool_seen", [0.0] * ad.max_k)), list(ad.__dict__.get("_pool_acc", [0.0] * ad.max_k))
+    ad._req = {}
+
+autos = [n for n, _ in specs if n.startswith("a")]
+results = []
+for t in range(T):
+    assign = {a: variants[(i + t) % len(variants)] for i, a in enumerate(autos)}
+    for a in autos:
+        ad = copy.deepcopy(snap[a]); apply(ad, assign[a]); cases[a].engine.adaptive = ad
+    names = [n for n, _ in specs]
+    for setname, prompts in [("stdlib-heldout", sets["stdlib-heldout"]), ("humaneval", sets["humaneval"][:H])][: 2 if H else 1]:
+        wall = Counter(); ch = {a: Counter(cases[a].engine.adaptive.chosen) for a in autos}
+        for j, p in enumerate(prompts):
+            order = names if (j + t) % 2 == 0 else names[::-1]
+            for n in order:
+                w, _ = _generate(cases[n].engine, [p], 64, n); wall[n] += w
+        for a in autos:
+            chosen = Counter(cases[a].engine.adaptive.chosen) - ch[a]
+            r = dict(trial=t, set=setname, engine=a, variant=assign[a], ratio=wall["k2"] / wall[a], k3=wall["k2"] / wall["k3"], k2b=wall["k2"] / wall["k2b"], walls={n: round(w, 3) for n, w in wall.items()}, chosen=dict(sorted(chosen.items())), pass_scale=round(math.exp(cases[a].engine.adaptive.__dict__.get("_pass_scale", (0.0, 1.0))[0] / cases[a].engine.adaptive.__dict__.get("_pass_scale", (0.0, 1.0))[1]), 3), scale=round(math.exp(cases[a].engine.adaptive.__dict__.get("_scale", {}).get(1, (0.0, 1.0))[0] / cases[a].engine.adaptive.__dict__.get("_scale", {}).get(1, (0.0, 1.0))[1]), 3))
+            results.append(r)
+            print(json.dumps(r), flush=True)
+json.dump(results, open(os.environ.get("OUT", "/tmp/s28/cold.json"), "w"))
