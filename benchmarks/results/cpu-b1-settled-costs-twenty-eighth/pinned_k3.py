@@ -12,38 +12,19 @@ first HUMANEVAL_PROMPTS HumanEval prompts with both in turn (order alternating p
 tokens, EOS ignored, and prints tokens/s, step-time split (verify, draft, bookkeeping, forwards)
 and, with PROFILE, the functions whose own time differs most between the two (cProfile).
 """
-import cProfile, pstats, sys, time
+import cProfile, pstats, sys
 from collections import defaultdict
-from pathlib import Path
 
-import torch
-from hydra import compose, initialize_config_dir
-
-import inkfw
-from inkfw.bench import run as R
-from inkfw.bench.plan import BenchRun
-from inkfw.bench.prompt_sets import load_prompt_set
-from inkfw.bench.run import _build_case, _generate, shared_max_model_len
-from inkfw.speculative.factory import load_tokenizer
+from inkfw.bench.run import _generate
 from inkfw.speculative.engine import StepTimes
+
+import harness
 
 H = int(sys.argv[1])
 profile = len(sys.argv) > 2
-torch.set_num_threads(1)
-with initialize_config_dir(config_dir=str(Path(inkfw.__file__).resolve().parent / "conf"), version_base=None):
-    cfg = compose("bench", overrides=["modes=[compiled]", "batch_sizes=[1]", "num_tokens=[auto]", "hf=[]", "forward_ops=[]"])
-tok = load_tokenizer(cfg.model)
-mcfg = R.model_config(cfg.model)
-sets = {n: load_prompt_set(n, tok, 164, mcfg.logits_vocab_size, 32, 0) for n in ["stdlib-heldout", "humaneval"]}
-model = R.build_model(cfg.model, mtp_depths=None, dtype=torch.float32, device=torch.device("cpu"), embed_source="backbone_norm")
-mml = shared_max_model_len(max(len(p) for s in sets.values() for p in s) + 64 + 8 + 16, mcfg.max_position_embeddings)
-
-cases = {}
-for name, k in [("k3", 3), ("auto3", "auto")]:
-    c = _build_case(cfg, BenchRun("inkfw", "compiled", "mtp", k, 1), model, tok, mml, True)
-    for prompts in sets.values():
-        _generate(c.engine, [prompts[0]], 8, name)
-    cases[name] = c
+setup = harness.setup("[auto]")
+sets = setup.sets
+cases = {name: harness.build(setup, k, name) for name, k in [("k3", 3), ("auto3", "auto")]}
 auto = cases["auto3"].engine
 auto.adaptive.choose = lambda *args, **kwargs: 3
 auto._admission_depths = lambda r, num_rows: 3

@@ -23,31 +23,18 @@ carriers) at warm-up's ``prompt_s`` times the decayed geometric mean (0.9 a samp
 at 1) of served over warm-up passes: the drafting seconds of a batch-1 prompt step over what
 warm-up's price gives for its prompt and the depths the request keeps.
 """
-import copy, sys, time, os, json
-from pathlib import Path
-import inkfw
+import copy, sys, os, json, math
 from collections import Counter
-import torch
-from hydra import compose, initialize_config_dir
-from inkfw.bench.run import _build_case, _generate, shared_max_model_len
-from inkfw.bench.plan import BenchRun
-from inkfw.bench.prompt_sets import load_prompt_set
-from inkfw.speculative.factory import load_tokenizer
-from inkfw.bench import run as R
+
+from inkfw.bench.run import _generate
+
+import harness
 
 T, H = int(sys.argv[1]), int(sys.argv[2])
 variants = sys.argv[3].split(",")  # auto engine i runs variants[(i + trial) % len(variants)]
 NA = int(os.environ.get("NA", "4"))
-torch.set_num_threads(1)
-with initialize_config_dir(config_dir=str(Path(inkfw.__file__).resolve().parent / "conf"), version_base=None):
-    cfg = compose("bench", overrides=["modes=[compiled]", "batch_sizes=[1]", "num_tokens=[2,3,auto]", "hf=[]", "forward_ops=[]"])
-tok = load_tokenizer(cfg.model)
-mcfg = R.model_config(cfg.model)
-sets = {n: load_prompt_set(n, tok, 164, mcfg.logits_vocab_size, 32, 0) for n in ["stdlib-heldout", "humaneval"]}
-model = R.build_model(cfg.model, mtp_depths=None, dtype=torch.float32, device=torch.device("cpu"), embed_source="backbone_norm")
-mml = shared_max_model_len(max(len(p) for s in sets.values() for p in s) + 64 + 8 + 16, mcfg.max_position_embeddings)
-from inkfw.speculative.adaptive import AdaptiveK
-import math
+setup = harness.setup("[2,3,auto]")
+sets = setup.sets
 from inkfw.speculative.adaptive import AdaptiveK
 from inkfw.speculative.engine import bucket_for
 
@@ -113,55 +100,31 @@ AdaptiveK._prompt_price = prompt_price
 
 
 def hook(engine):
-    import time
-    state = {"k": None, "prev": None}
-    round_k = engine._round_k
-
-    def recording_round_k(*args, **kwargs):
-        state["k"] = round_k(*args, **kwargs)
-        return state["k"]
-
-    engine._round_k = recording_round_k
-    step = engine.step
-
-    def timed_step():
-        state["k"] = None
-        prompt_steps, ad, draft_s = engine.times.prompt_steps, engine.adaptive, engine.times.draft_s
-        probes = ad.probes if ad is not None else 0
-        rows = len(engine.running)
-        t = time.perf_counter()
-        out = step()
-        seconds = time.perf_counter() - t
-        probed = ad is not None and ad.probes > probes
-        k, prev = state["k"], state["prev"]
-        steady = k is not None and k == prev and engine.times.prompt_steps == prompt_steps and not probed
-        if engine.times.prompt_steps > prompt_steps and len(engine.running) == 1 and engine._forced_k is None:
+    def on_step(step):
+        ad = engine.adaptive
+        if ad is None or engine._forced_k is not None:
+            return
+        if step["prompt"] and len(engine.running) == 1 and getattr(ad, "served_pass", 0.0):
             r = engine.running[0]  # batch 1: the step passed over this request's prompt alone
             depths = engine._depths_kept(r) if not r.drafting_off else 0
-            if ad is not None and depths and getattr(ad, "served_pass", 0.0):
-                note_pass(ad, engine.times.draft_s - draft_s, len(r.prompt_token_ids), min(depths, ad.lookahead))
-        if steady and engine._forced_k is None and ad is not None and getattr(ad, "served_scale", 0.0) and rows:
-            note_served(ad, bucket_for(rows, engine.config.batch_buckets), k, seconds)
-        state["prev"] = None if probed else k
-        return out
+            if depths:
+                note_pass(ad, step["draft_s"], len(r.prompt_token_ids), min(depths, ad.lookahead))
+        if step["steady"] and step["rows"] and getattr(ad, "served_scale", 0.0):
+            note_served(ad, bucket_for(step["rows"], engine.config.batch_buckets), step["k"], step["seconds"])
 
-    engine.step = timed_step
+    harness.time_steps(engine, on_step)
 
 
 specs = [("k2", 2), ("k3", 3), ("k2b", 2)] + [(f"a{i}", "auto") for i in range(NA)]
 cases = {}
 for name, k in specs:
-    t0 = time.time()
-    c = _build_case(cfg, BenchRun("inkfw", "compiled", "mtp", k, 1), model, tok, mml, True)
-    if c.engine.adaptive is not None:
-        hook(c.engine)
-    for prompts in sets.values():
-        _generate(c.engine, [prompts[0]], 8, name)
-    cases[name] = c
-    print(f"built {name} {time.time()-t0:.0f}s", flush=True)
+    cases[name] = harness.build(setup, k, name)
+    if cases[name].engine.adaptive is not None:
+        hook(cases[name].engine)
 snap = {n: copy.deepcopy(c.engine.adaptive) for n, c in cases.items() if c.engine.adaptive is not None}
 for n, ad in snap.items():
     print(n, "costs_ms", [round(x*1e3, 2) for x in ad.costs_now(1)], "acc", [round(x, 2) for x in ad.acceptance()], "best", ad.best_k(1), "prompt_s", ad.prompt_s, flush=True)
+
 
 def apply(ad, variant):
     for kv in variant.split("+"):
@@ -169,9 +132,13 @@ def apply(ad, variant):
         k, v = kv.split("=")
         setattr(ad, k, float(v) if not isinstance(getattr(ad, k, 0.0), int) else int(v))
         if k == "prior_weight": ad._could_pay = {}
-        if k == "per_request" and float(v):  # the shadow pool replaces HEAD's pooled counts
-            ad.seen, ad.accepted = list(ad.__dict__.get("_pool_seen", [0.0] * ad.max_k)), list(ad.__dict__.get("_pool_acc", [0.0] * ad.max_k))
-    ad._req = {}
+
+
+def learned(scale):
+    """A (decayed log total, weight) factor as a number (1 where nothing was learned)."""
+    total, weight = scale or (0.0, 1.0)
+    return round(math.exp(total / weight), 3)
+
 
 autos = [n for n, _ in specs if n.startswith("a")]
 results = []
@@ -187,8 +154,9 @@ for t in range(T):
             for n in order:
                 w, _ = _generate(cases[n].engine, [p], 64, n); wall[n] += w
         for a in autos:
-            chosen = Counter(cases[a].engine.adaptive.chosen) - ch[a]
-            r = dict(trial=t, set=setname, engine=a, variant=assign[a], ratio=wall["k2"] / wall[a], k3=wall["k2"] / wall["k3"], k2b=wall["k2"] / wall["k2b"], walls={n: round(w, 3) for n, w in wall.items()}, chosen=dict(sorted(chosen.items())), pass_scale=round(math.exp(cases[a].engine.adaptive.__dict__.get("_pass_scale", (0.0, 1.0))[0] / cases[a].engine.adaptive.__dict__.get("_pass_scale", (0.0, 1.0))[1]), 3), scale=round(math.exp(cases[a].engine.adaptive.__dict__.get("_scale", {}).get(1, (0.0, 1.0))[0] / cases[a].engine.adaptive.__dict__.get("_scale", {}).get(1, (0.0, 1.0))[1]), 3))
+            ad = cases[a].engine.adaptive
+            chosen = Counter(ad.chosen) - ch[a]
+            r = dict(trial=t, set=setname, engine=a, variant=assign[a], ratio=wall["k2"] / wall[a], k3=wall["k2"] / wall["k3"], k2b=wall["k2"] / wall["k2b"], walls={n: round(w, 3) for n, w in wall.items()}, chosen=dict(sorted(chosen.items())), pass_scale=learned(ad.__dict__.get("_pass_scale")), scale=learned(ad.__dict__.get("_scale", {}).get(1)))
             results.append(r)
             print(json.dumps(r), flush=True)
 json.dump(results, open(os.environ.get("OUT", "/tmp/s28/cold.json"), "w"))

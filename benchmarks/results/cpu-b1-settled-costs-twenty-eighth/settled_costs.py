@@ -17,45 +17,27 @@ engine decoding each prompt in turn (order alternating per prompt), 64 new token
 One JSON line per (trial, set, auto engine): walls of every engine; ratio = the best fixed k's
 wall / the engine's.
 """
-import copy, sys, time, os, json
+import copy, sys, os, json
 from collections import Counter
-from pathlib import Path
 
-import torch
-from hydra import compose, initialize_config_dir
-
-import inkfw
-from inkfw.bench import run as R
-from inkfw.bench.plan import BenchRun
-from inkfw.bench.prompt_sets import load_prompt_set
-from inkfw.bench.run import _build_case, _generate, shared_max_model_len
+from inkfw.bench.run import _generate
 from inkfw.speculative.engine import Engine
-from inkfw.speculative.factory import load_tokenizer
+
+import harness
 
 T, H = int(sys.argv[1]), int(sys.argv[2])
 steps = [int(s) for s in sys.argv[3:]] or [2, 4, 2, 4]
-torch.set_num_threads(1)
-with initialize_config_dir(config_dir=str(Path(inkfw.__file__).resolve().parent / "conf"), version_base=None):
-    cfg = compose("bench", overrides=["modes=[compiled]", "batch_sizes=[1]", "num_tokens=[2,3,auto]", "hf=[]", "forward_ops=[]"])
-tok = load_tokenizer(cfg.model)
-mcfg = R.model_config(cfg.model)
-sets = {n: load_prompt_set(n, tok, 164, mcfg.logits_vocab_size, 32, 0) for n in ["stdlib-heldout", "humaneval"]}
-model = R.build_model(cfg.model, mtp_depths=None, dtype=torch.float32, device=torch.device("cpu"), embed_source="backbone_norm")
-mml = shared_max_model_len(max(len(p) for s in sets.values() for p in s) + 64 + 8 + 16, mcfg.max_position_embeddings)
-print("max_model_len", mml, flush=True)
+setup = harness.setup("[2,3,auto]")
+sets = setup.sets
+print("max_model_len", setup.max_model_len, flush=True)
 
 inner = Engine.warmup.__wrapped__
 defaults = inner.__defaults__
 specs = [("k2", 2, None), ("k3", 3, None)] + [(f"a{i}s{s}", "auto", s) for i, s in enumerate(steps)]
 cases = {}
 for name, k, s in specs:
-    t0 = time.time()
     inner.__defaults__ = defaults[:-1] + (s or defaults[-1],)
-    c = _build_case(cfg, BenchRun("inkfw", "compiled", "mtp", k, 1), model, tok, mml, True)
-    for prompts in sets.values():
-        _generate(c.engine, [prompts[0]], 8, name)
-    cases[name] = c
-    print(f"built {name} {time.time()-t0:.0f}s", flush=True)
+    cases[name] = harness.build(setup, k, name)
 inner.__defaults__ = defaults
 snap = {n: copy.deepcopy(c.engine.adaptive) for n, c in cases.items() if c.engine.adaptive is not None}
 for n, ad in snap.items():
