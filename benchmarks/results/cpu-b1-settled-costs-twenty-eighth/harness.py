@@ -1,9 +1,15 @@
-"""Set-up and step timing shared by this folder's ad hoc scripts (BENCHMARKS.md, "Twenty-eighth
-session"); unmaintained, like them. Each script runs from the repository root, and Python puts
-this folder first on its path, so ``import harness`` finds this file."""
+"""Set-up, serving in turn, cold-start trials and step timing shared by this folder's ad hoc
+scripts (BENCHMARKS.md, "Twenty-eighth session") and the twenty-ninth session's; unmaintained,
+like them. Each script runs from the repository root, and Python puts this folder first on its
+path (or the script puts it there), so ``import harness`` finds this file."""
+import contextlib
+import copy
+import json
+import os
 import time
+from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, ContextManager, NamedTuple
 
 import torch
 from hydra import compose, initialize_config_dir
@@ -79,3 +85,48 @@ def time_steps(engine, on_step: Callable[[dict], None]) -> None:
         return out
 
     engine._round_k, engine.step = recording_round_k, timed_step
+
+
+def serve_in_turn(engines: dict, prompts, flip: int = 0, around: Callable[[str], ContextManager] | None = None) -> Counter:
+    """Every engine of ``engines`` (name -> engine) decodes each prompt alone, 64 new tokens, EOS
+    ignored, in turn: the given order for prompt j where ``(j + flip)`` is even, reversed otherwise.
+    ``around(name)``: a context each decode runs in (a profiler). Returns wall seconds per engine."""
+    wall: Counter = Counter()
+    names = list(engines)
+    for j, prompt in enumerate(prompts):
+        for n in names if (j + flip) % 2 == 0 else names[::-1]:
+            with around(n) if around is not None else contextlib.nullcontext():
+                wall[n] += _generate(engines[n], [prompt], 64, n)[0]
+    return wall
+
+
+def warm_states(engines: dict) -> dict:
+    """A copy of each adaptive engine's AdaptiveK after warm-up (what every trial starts from),
+    with its costs, estimates and best k printed."""
+    warm = {n: copy.deepcopy(e.adaptive) for n, e in engines.items() if e.adaptive is not None}
+    for n, ad in warm.items():
+        print(n, "costs_ms", [round(x * 1e3, 2) for x in ad.costs_now(1)], "acc", [round(x, 2) for x in ad.acceptance()],
+              "best", ad.best_k(1), "prompt_s", ad.prompt_s, flush=True)
+    return warm
+
+
+def cold_start_trials(s: Setup, engines: dict, trials: int, humaneval: int, start: Callable[[int], None],
+                      line: Callable[[int, str, str, Counter, Counter], dict], out: str) -> list:
+    """``trials`` cold starts: each calls ``start(trial)`` (it gives every adaptive engine the
+    AdaptiveK it starts from), then serves the 12 stdlib prompts and the first ``humaneval``
+    HumanEval prompts (none: stdlib only) in turn (:func:`serve_in_turn`, flipped per trial). One
+    JSON line per trial, set and adaptive engine: ``line(trial, set, engine, walls, k chosen in the
+    set)``, printed, collected, and all of them written to ``$OUT`` (default ``out``)."""
+    autos = [n for n, e in engines.items() if e.adaptive is not None]
+    sets = [("stdlib-heldout", s.sets["stdlib-heldout"]), ("humaneval", s.sets["humaneval"][:humaneval])]
+    results = []
+    for t in range(trials):
+        start(t)
+        for set_name, prompts in sets[: 2 if humaneval else 1]:
+            before = {a: Counter(engines[a].adaptive.chosen) for a in autos}
+            wall = serve_in_turn(engines, prompts, t)
+            for a in autos:
+                results.append(line(t, set_name, a, wall, Counter(engines[a].adaptive.chosen) - before[a]))
+                print(json.dumps(results[-1]), flush=True)
+    json.dump(results, open(os.environ.get("OUT", out), "w"))
+    return results

@@ -13,9 +13,7 @@ tokens, EOS ignored, and prints tokens/s, step-time split (verify, draft, bookke
 and, with PROFILE, the functions whose own time differs most between the two (cProfile).
 """
 import cProfile, pstats, sys
-from collections import defaultdict
 
-from inkfw.bench.run import _generate
 from inkfw.speculative.engine import StepTimes
 
 import harness
@@ -31,15 +29,8 @@ auto._admission_depths = lambda r, num_rows: 3
 for c in cases.values():
     c.engine.times = StepTimes()
 profiles = {n: cProfile.Profile() for n in cases}
-wall = defaultdict(float)
-for j, p in enumerate(sets["humaneval"][:H]):
-    for n in (["k3", "auto3"] if j % 2 == 0 else ["auto3", "k3"]):
-        if profile:
-            profiles[n].enable()
-        w, _ = _generate(cases[n].engine, [p], 64, n)
-        if profile:
-            profiles[n].disable()
-        wall[n] += w
+wall = harness.serve_in_turn({n: c.engine for n, c in cases.items()}, sets["humaneval"][:H],
+                             around=(lambda n: profiles[n]) if profile else None)
 for n, c in cases.items():
     t = c.engine.times
     print(n, f"tokens/s {64 * H / wall[n]:.1f}", f"steps {t.num_steps}", f"verify {t.verify_s:.3f}", f"draft {t.draft_s:.3f}",

@@ -16,7 +16,6 @@ warm-up cost (``costs_now``), and each engine's tokens/s.
 import sys, statistics
 from collections import defaultdict
 
-from inkfw.bench.run import _generate
 
 import harness
 
@@ -48,12 +47,7 @@ ad = cases["auto"].engine.adaptive
 warm = ad.costs_now(1)
 print("warm-up costs_now ms", [round(x * 1e3, 2) for x in warm], flush=True)
 
-wall = defaultdict(float)
-names = [n for n, _ in specs]
-for j, p in enumerate(sets["humaneval"][:H]):
-    for n in names if j % 2 == 0 else names[::-1]:
-        w, _ = _generate(cases[n].engine, [p], 64, n)
-        wall[n] += w
+wall = harness.serve_in_turn({n: c.engine for n, c in cases.items()}, sets["humaneval"][:H])
 tokens = 64 * H
 print("tokens/s", {n: round(tokens / w, 1) for n, w in wall.items()})
 print("chosen", dict(sorted(ad.chosen.items())))

@@ -23,10 +23,8 @@ carriers) at warm-up's ``prompt_s`` times the decayed geometric mean (0.9 a samp
 at 1) of served over warm-up passes: the drafting seconds of a batch-1 prompt step over what
 warm-up's price gives for its prompt and the depths the request keeps.
 """
-import copy, sys, os, json, math
-from collections import Counter
+import copy, sys, os, math
 
-from inkfw.bench.run import _generate
 
 import harness
 
@@ -34,7 +32,6 @@ T, H = int(sys.argv[1]), int(sys.argv[2])
 variants = sys.argv[3].split(",")  # auto engine i runs variants[(i + trial) % len(variants)]
 NA = int(os.environ.get("NA", "4"))
 setup = harness.setup("[2,3,auto]")
-sets = setup.sets
 from inkfw.speculative.adaptive import AdaptiveK
 from inkfw.speculative.engine import bucket_for
 
@@ -121,9 +118,8 @@ for name, k in specs:
     cases[name] = harness.build(setup, k, name)
     if cases[name].engine.adaptive is not None:
         hook(cases[name].engine)
-snap = {n: copy.deepcopy(c.engine.adaptive) for n, c in cases.items() if c.engine.adaptive is not None}
-for n, ad in snap.items():
-    print(n, "costs_ms", [round(x*1e3, 2) for x in ad.costs_now(1)], "acc", [round(x, 2) for x in ad.acceptance()], "best", ad.best_k(1), "prompt_s", ad.prompt_s, flush=True)
+engines = {n: c.engine for n, c in cases.items()}
+warm = harness.warm_states(engines)
 
 
 def apply(ad, variant):
@@ -140,23 +136,22 @@ def learned(scale):
     return round(math.exp(total / weight), 3)
 
 
-autos = [n for n, _ in specs if n.startswith("a")]
-results = []
-for t in range(T):
-    assign = {a: variants[(i + t) % len(variants)] for i, a in enumerate(autos)}
-    for a in autos:
-        ad = copy.deepcopy(snap[a]); apply(ad, assign[a]); cases[a].engine.adaptive = ad
-    names = [n for n, _ in specs]
-    for setname, prompts in [("stdlib-heldout", sets["stdlib-heldout"]), ("humaneval", sets["humaneval"][:H])][: 2 if H else 1]:
-        wall = Counter(); ch = {a: Counter(cases[a].engine.adaptive.chosen) for a in autos}
-        for j, p in enumerate(prompts):
-            order = names if (j + t) % 2 == 0 else names[::-1]
-            for n in order:
-                w, _ = _generate(cases[n].engine, [p], 64, n); wall[n] += w
-        for a in autos:
-            ad = cases[a].engine.adaptive
-            chosen = Counter(ad.chosen) - ch[a]
-            r = dict(trial=t, set=setname, engine=a, variant=assign[a], ratio=wall["k2"] / wall[a], k3=wall["k2"] / wall["k3"], k2b=wall["k2"] / wall["k2b"], walls={n: round(w, 3) for n, w in wall.items()}, chosen=dict(sorted(chosen.items())), pass_scale=learned(ad.__dict__.get("_pass_scale")), scale=learned(ad.__dict__.get("_scale", {}).get(1)))
-            results.append(r)
-            print(json.dumps(r), flush=True)
-json.dump(results, open(os.environ.get("OUT", "/tmp/s28/cold.json"), "w"))
+given = {}  # auto engine -> its variant this trial
+
+
+def start(t):
+    for i, (a, ad) in enumerate(warm.items()):  # auto engine i runs variants[(i + t) % len(variants)]
+        given[a] = variants[(i + t) % len(variants)]
+        engines[a].adaptive = copy.deepcopy(ad)
+        apply(engines[a].adaptive, given[a])
+
+
+def line(t, set_name, a, wall, chosen):
+    ad = engines[a].adaptive
+    return dict(trial=t, set=set_name, engine=a, variant=given[a],
+                ratio=wall["k2"] / wall[a], k3=wall["k2"] / wall["k3"], k2b=wall["k2"] / wall["k2b"],
+                walls={n: round(w, 3) for n, w in wall.items()}, chosen=dict(sorted(chosen.items())),
+                pass_scale=learned(ad.__dict__.get("_pass_scale")), scale=learned(ad.__dict__.get("_scale", {}).get(1)))
+
+
+harness.cold_start_trials(setup, engines, T, H, start, line, "/tmp/s28/cold.json")

@@ -17,10 +17,8 @@ engine decoding each prompt in turn (order alternating per prompt), 64 new token
 One JSON line per (trial, set, auto engine): walls of every engine; ratio = the best fixed k's
 wall / the engine's.
 """
-import copy, sys, os, json
-from collections import Counter
+import copy, sys
 
-from inkfw.bench.run import _generate
 from inkfw.speculative.engine import Engine
 
 import harness
@@ -28,7 +26,6 @@ import harness
 T, H = int(sys.argv[1]), int(sys.argv[2])
 steps = [int(s) for s in sys.argv[3:]] or [2, 4, 2, 4]
 setup = harness.setup("[2,3,auto]")
-sets = setup.sets
 print("max_model_len", setup.max_model_len, flush=True)
 
 inner = Engine.warmup.__wrapped__
@@ -39,30 +36,18 @@ for name, k, s in specs:
     inner.__defaults__ = defaults[:-1] + (s or defaults[-1],)
     cases[name] = harness.build(setup, k, name)
 inner.__defaults__ = defaults
-snap = {n: copy.deepcopy(c.engine.adaptive) for n, c in cases.items() if c.engine.adaptive is not None}
-for n, ad in snap.items():
-    print(n, "costs_ms", [round(x * 1e3, 2) for x in ad.costs_now(1)], "acc", [round(x, 2) for x in ad.acceptance()],
-          "best", ad.best_k(1), "prompt_s", ad.prompt_s, flush=True)
+engines = {n: c.engine for n, c in cases.items()}
+warm = harness.warm_states(engines)
 
-autos = [n for n, _, s in specs if s]
-names = [n for n, _, _ in specs]
-results = []
-for t in range(T):
-    for a in autos:
-        cases[a].engine.adaptive = copy.deepcopy(snap[a])
-    for setname, prompts in [("stdlib-heldout", sets["stdlib-heldout"]), ("humaneval", sets["humaneval"][:H])][: 2 if H else 1]:
-        wall = Counter()
-        ch = {a: Counter(cases[a].engine.adaptive.chosen) for a in autos}
-        for j, p in enumerate(prompts):
-            order = names if (j + t) % 2 == 0 else names[::-1]
-            for n in order:
-                w, _ = _generate(cases[n].engine, [p], 64, n)
-                wall[n] += w
-        best = min(wall["k2"], wall["k3"])
-        for a in autos:
-            chosen = Counter(cases[a].engine.adaptive.chosen) - ch[a]
-            r = dict(trial=t, set=setname, engine=a, ratio=best / wall[a], k3_vs_k2=wall["k2"] / wall["k3"],
-                     walls={n: round(w, 3) for n, w in wall.items()}, chosen=dict(sorted(chosen.items())))
-            results.append(r)
-            print(json.dumps(r), flush=True)
-json.dump(results, open(os.environ.get("OUT", "/tmp/s28/settled.json"), "w"))
+
+def start(t):
+    for a, ad in warm.items():
+        engines[a].adaptive = copy.deepcopy(ad)
+
+
+def line(t, set_name, a, wall, chosen):
+    return dict(trial=t, set=set_name, engine=a, ratio=min(wall["k2"], wall["k3"]) / wall[a], k3_vs_k2=wall["k2"] / wall["k3"],
+                walls={n: round(w, 3) for n, w in wall.items()}, chosen=dict(sorted(chosen.items())))
+
+
+harness.cold_start_trials(setup, engines, T, H, start, line, "/tmp/s28/settled.json")

@@ -20,15 +20,12 @@ variants rotated over them per trial; one JSON line per trial, set and auto engi
 engine's wall; ratio = k = 2's wall / the engine's).
 """
 import copy
-import json
 import os
 import sys
-from collections import Counter
 
 sys.path.insert(0, "benchmarks/results/cpu-b1-settled-costs-twenty-eighth")
 import harness  # noqa: E402
 
-from inkfw.bench.run import _generate  # noqa: E402
 from inkfw.speculative.adaptive import AdaptiveK  # noqa: E402
 
 _bounds_of, _best_k, _depths_for = AdaptiveK._bounds_of, AdaptiveK.best_k, AdaptiveK.depths_for
@@ -74,11 +71,8 @@ variants = sys.argv[3].split(",")  # auto engine i runs variants[(i + trial) % l
 setup = harness.setup("[2,3,auto]")
 engines = {name: harness.build(setup, k, name).engine for name, k in
            [("k2", 2), ("k3", 3), ("k2b", 2)] + [(f"a{i}", "auto") for i in range(int(os.environ.get("NA", "4")))]}
-autos = [n for n, e in engines.items() if e.adaptive is not None]
-warm = {n: copy.deepcopy(engines[n].adaptive) for n in autos}  # each trial starts from these
-for n, ad in warm.items():
-    print(n, "costs_ms", [round(x * 1e3, 2) for x in ad.costs_now(1)], "acc", [round(x, 2) for x in ad.acceptance()],
-          "best", ad.best_k(1), "prompt_s", ad.prompt_s, flush=True)
+warm = harness.warm_states(engines)  # each trial starts from these
+given = {}  # auto engine -> its variant this trial
 
 
 def with_variant(ad, variant):
@@ -89,20 +83,15 @@ def with_variant(ad, variant):
     return ad
 
 
-results = []
-for t in range(trials):
-    given = {a: variants[(i + t) % len(variants)] for i, a in enumerate(autos)}
-    for a in autos:
-        engines[a].adaptive = with_variant(copy.deepcopy(warm[a]), given[a])
-    for set_name, prompts in [("stdlib-heldout", setup.sets["stdlib-heldout"]), ("humaneval", setup.sets["humaneval"][:humaneval])]:
-        wall, before = Counter(), {a: Counter(engines[a].adaptive.chosen) for a in autos}
-        for j, prompt in enumerate(prompts):
-            for n in (list(engines) if (j + t) % 2 == 0 else list(engines)[::-1]):
-                wall[n] += _generate(engines[n], [prompt], 64, n)[0]
-        for a in autos:
-            line = dict(trial=t, set=set_name, engine=a, variant=given[a], ratio=wall["k2"] / wall[a],
-                        k3=wall["k2"] / wall["k3"], k2b=wall["k2"] / wall["k2b"], walls={n: round(w, 3) for n, w in wall.items()},
-                        chosen=dict(sorted((Counter(engines[a].adaptive.chosen) - before[a]).items())))
-            results.append(line)
-            print(json.dumps(line), flush=True)
-json.dump(results, open(os.environ.get("OUT", "/tmp/cold_starts.json"), "w"))
+def start(t):
+    for i, (a, ad) in enumerate(warm.items()):  # auto engine i runs variants[(i + t) % len(variants)]
+        given[a] = variants[(i + t) % len(variants)]
+        engines[a].adaptive = with_variant(copy.deepcopy(ad), given[a])
+
+
+def line(t, set_name, a, wall, chosen):
+    return dict(trial=t, set=set_name, engine=a, variant=given[a], ratio=wall["k2"] / wall[a], k3=wall["k2"] / wall["k3"],
+                k2b=wall["k2"] / wall["k2b"], walls={n: round(w, 3) for n, w in wall.items()}, chosen=dict(sorted(chosen.items())))
+
+
+harness.cold_start_trials(setup, engines, trials, humaneval, start, line, "/tmp/cold_starts.json")

@@ -10,11 +10,10 @@ HUMANEVAL_PROMPTS HumanEval prompts with both in turn (64 new tokens, EOS ignore
 row's deferred depths ran), a shallow round (a row defers depths), or a full round; then lists the
 catch-ups as (deferred positions, ms, k).
 """
-import sys, time
+import statistics, sys, time
 from collections import defaultdict
 sys.path.insert(0, "benchmarks/results/cpu-b1-settled-costs-twenty-eighth")
 import harness
-from inkfw.bench.run import _generate
 H = int(sys.argv[1])
 s = harness.setup("[3,auto]")
 cases = {n: harness.build(s, k, n) for n, k in [("k3", 3), ("auto", "auto")]}
@@ -24,8 +23,8 @@ for n, c in cases.items():
     d = c.engine.drafter
     orig = d.propose
     def wrapped(spans, kv, run=None, keep_logits=False, pad_to=None, num_tokens=None, _o=orig, _d=d, _n=n):
-        before = [(_d._rows.get(sp.request.id).deferred if _d._rows.get(sp.request.id) else None) for sp in spans]
-        lv = [None if b is None else b.level for b in before]
+        before = [getattr(_d._rows.get(sp.request.id), "deferred", None) for sp in spans]
+        lv = [None if b is None else b.level for b in before]  # the level before the round (it may change in place)
         t = time.perf_counter()
         out = _o(spans, kv, run, keep_logits=keep_logits, pad_to=pad_to, num_tokens=num_tokens)
         dt = time.perf_counter() - t
@@ -43,12 +42,7 @@ for n, c in cases.items():
         st = stats[_n][cat]; st[0] += 1; st[1] += dt
         return out
     d.propose = wrapped
-for v in stats.values(): v.clear()
-caught.clear()
-wall = {n: 0.0 for n in cases}
-for j, p in enumerate(s.sets["humaneval"][:H]):
-    for n in (["k3", "auto"] if j % 2 == 0 else ["auto", "k3"]):
-        w, _ = _generate(cases[n].engine, [p], 64, n); wall[n] += w
+wall = harness.serve_in_turn({n: c.engine for n, c in cases.items()}, s.sets["humaneval"][:H])
 for n in cases:
     print(f"== {n} wall {wall[n]:.2f}")
     for cat, (cnt, sec) in sorted(stats[n].items(), key=lambda x: -x[1][1]):
@@ -56,5 +50,4 @@ for n in cases:
 ad = cases["auto"].engine.adaptive
 print("catch_up", ad.catch_up, "costs", [round(c*1e3,2) for c in ad.costs[1]], "prompt_s", ad.prompt_s)
 print("caught", caught[:80])
-import statistics
 if caught: print("catch-up positions median", statistics.median(c[0] for c in caught), "ms median", statistics.median(c[1] for c in caught))
