@@ -34,6 +34,7 @@ NON_DEFAULT = {
     "compile": ("true", True),
     "cuda_graphs": ("false", False),
     "batch_buckets": ("[8,1]", (1, 8)),
+    "pad_batches": ("true", True),
 }
 
 
@@ -105,6 +106,7 @@ def test_check_drafts_atol_reaches_the_check(model, atol, passes):
         ("engine.max_model_len=1", "engine.max_model_len must be null or an integer >= 2"),
         ("engine.check_drafts=maybe", "engine.check_drafts must be true or false, got 'maybe'."),
         ("engine.check_drafts_atol=-0.5", "engine.check_drafts_atol must be a finite number >= 0, got -0.5."),
+        ("engine.pad_batches=sometimes", "engine.pad_batches must be null, true or false, got 'sometimes'."),
         ("+engine.bogus=1", "bogus"),
     ],
 )

@@ -19,7 +19,6 @@ from torch._dynamo.utils import counters
 from helpers.engine import (  # noqa: F401
     NO_DRAFTER,
     generate,
-    make_engine,
     mtp,
     ngram,
     one_thread,
@@ -27,6 +26,7 @@ from helpers.engine import (  # noqa: F401
     slow_first_calls,
     spec_model,
 )
+from helpers.engine import make_engine as make_any_engine
 from inkfw.errors import ConfigError
 from inkfw.models.inkling.layers import MoE
 from inkfw.profiling import count_host_reads
@@ -47,6 +47,14 @@ from inkfw.speculative.verifier import TargetVerifier
 
 VOCAB = 120  # logits vocabulary of spec_model()
 AUTO = ["drafter=mtp", "mtp.depths=2", "spec.num_tokens=auto"]  # adaptive k, k_max = D = 2
+
+
+def make_engine(model, drafter: Sequence[str], **kwargs):
+    """An engine (helpers.engine.make_engine) whose eager steps run padded to batch buckets as
+    compiled ones do (``engine.pad_batches=true``): the static shapes these tests check, without
+    a compile each. Eager engines left to the default run their n rows unpadded."""
+    kwargs["overrides"] = ["engine.pad_batches=true", *kwargs.get("overrides", ())]
+    return make_any_engine(model, drafter, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -333,6 +341,33 @@ def test_batch_runs_padded_to_its_bucket(model, buckets, padded):
     assert {pad for _, _, pad in seen_alone if pad is not None} == {1}
     plain, _, _ = generate(model, NO_DRAFTER, prompts, new, check_drafts=False)
     assert outputs(plain) == outputs(reqs)
+
+
+def test_eager_batches_run_unpadded_unless_told(model):
+    """An eager engine left to the default (``engine.pad_batches=null``) verifies and drafts a
+    batch of 3 as 3 rows, with no padding row's work; its greedy output equals the padded
+    engine's and plain decoding."""
+    prompts, new = prompts_of(40, 3), 10
+    engine, _ = make_any_engine(model, mtp(2, 4), check_drafts=False)
+    padded, _ = make_engine(model, mtp(2, 4), check_drafts=False)
+    assert not engine.pads_batches and padded.pads_batches
+    seen = spy_padding(engine)
+    reqs = [engine.add_request(p, max_new_tokens=new) for p in prompts]
+    engine.generate(reqs)
+    verifies = {(rows, pad) for part, rows, pad in seen if part == "verify"}
+    decode_rounds = {(rows, pad) for part, rows, pad in seen if part == "draft" and pad is not None}
+    assert verifies == {(3, None)} and decode_rounds == {(3, 3)}
+    verifier, drafter = parts(engine)
+    assert {shape for name, shape, _ in verifier.buffers._buffers if name == "last"} == {(3,)}
+    assert {shape for name, shape, _ in drafter.buffers._buffers if name == "slots"} == {(3,)}
+    assert one_at_a_time(padded, prompts, new) == outputs(reqs)
+    plain, _, _ = generate(model, NO_DRAFTER, prompts, new, check_drafts=False)
+    assert outputs(plain) == outputs(reqs)
+
+
+def test_unpadded_batches_need_eager_steps(model):
+    with pytest.raises(ConfigError, match="engine.pad_batches=false needs eager steps"):
+        make_any_engine(model, mtp(2, 3), overrides=["engine.compile=true", "engine.pad_batches=false"])
 
 
 # --------------------------------------------------------------------------- 4. compile

@@ -75,6 +75,7 @@ class EngineConfig:
     compile: bool = False  # torch.compile the verify step and the drafting round
     cuda_graphs: bool | None = None  # capture them as CUDA graphs per shape (None: on when on CUDA)
     batch_buckets: tuple[int, ...] = DEFAULT_BUCKETS  # decode batches run padded to these sizes
+    pad_batches: bool | None = None  # pad decode batches to a bucket (None: when compiled or graph-captured)
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` (one sentence) naming the first field out of range."""
@@ -91,8 +92,9 @@ class EngineConfig:
         for name in ("check_drafts", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"engine.{name} must be true or false, got {getattr(self, name)!r}.")
-        if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
-            raise ConfigError(f"engine.cuda_graphs must be null, true or false, got {self.cuda_graphs!r}.")
+        for name in ("cuda_graphs", "pad_batches"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"engine.{name} must be null, true or false, got {getattr(self, name)!r}.")
         buckets = tuple(self.batch_buckets) if not isinstance(self.batch_buckets, (str, int)) else ()
         if not buckets or not all(_is_int(b) and b >= 1 for b in buckets):
             raise ConfigError(f"engine.batch_buckets must be a list of integers >= 1, got {self.batch_buckets!r}.")
@@ -223,6 +225,11 @@ class Engine:
         graphs = self.config.cuda_graphs if self.config.cuda_graphs is not None else cuda
         if graphs and not cuda:
             raise ConfigError("engine.cuda_graphs=true needs the model on a CUDA device.")
+        if self.config.pad_batches is False and (self.config.compile or graphs):
+            raise ConfigError(
+                "engine.pad_batches=false needs eager steps: compiled and graph-captured steps run at "
+                "static shapes (set engine.compile=false and engine.cuda_graphs=false, or leave pad_batches null)."
+            )
         for part in (verifier, drafter):
             if hasattr(part, "set_step_mode"):
                 part.set_step_mode(compile=self.config.compile, cuda_graphs=graphs)  # type: ignore[attr-defined]
@@ -309,6 +316,14 @@ class Engine:
         """Seconds the verify and draft step functions have spent compiling (``engine.compile``)
         or capturing (``engine.cuda_graphs``) shapes at their first call, warm-up or not."""
         return _compile_s(self.verifier) + _compile_s(self.drafter)
+
+    @property
+    def pads_batches(self) -> bool:
+        """Whether decode batches run padded to their bucket (``engine.pad_batches``; by default
+        where the step functions are compiled or graph-captured, which need static shapes: an
+        eager step of n rows computes n, not its bucket's, docs/design.md §5)."""
+        pad = self.config.pad_batches
+        return pad if pad is not None else self.config.compile or self.cuda_graphs
 
     @property
     def cuda_graphs(self) -> bool:
@@ -454,7 +469,8 @@ class Engine:
         bucket = bucket_for(len(decodes), self.config.batch_buckets) if decodes else None  # of the decode batch
         if decodes:
             drafts = self._batch_drafts(decodes)
-            verdict = self.verifier.verify(self.kv, decodes, drafts, self._run_target, pad_to=bucket)
+            pad_to = bucket if self.pads_batches else None  # None: exact rows and table widths
+            verdict = self.verifier.verify(self.kv, decodes, drafts, self._run_target, pad_to=pad_to)
             # the step's one device -> host read: accepted counts, next tokens, the drafts
             packed = torch.cat([verdict.num_accepted[:, None], verdict.next_tokens[:, None], drafts.tokens], 1)
             rows = packed.tolist()
@@ -665,13 +681,15 @@ class Engine:
     def _propose_into_slots(self, spans: list[DraftSpan], k: int, static: bool) -> None:
         """Drafting rounds over ``spans`` at ``k`` (at most a request's depths), one per number of
         depths the requests keep (:meth:`_admission_depths`), their drafts written into the
-        requests' slots. ``static``: shapes padded to a batch bucket (compiled / graph-captured),
+        requests' slots. ``static``: spans of one verify step each, at fixed widths (compiled /
+        graph-captured) and padded to a batch bucket where the engine pads (:attr:`pads_batches`);
         else eager, any span length."""
         by_depths: dict[int | None, list[DraftSpan]] = {}
         for s in spans:
             by_depths.setdefault(s.depths, []).append(s)
         for group in by_depths.values():
-            pad_to = bucket_for(len(group), self.config.batch_buckets) if static else None
+            rows = bucket_for(len(group), self.config.batch_buckets) if self.pads_batches else len(group)
+            pad_to = rows if static else None
             self._propose_round(group, k, pad_to)
 
     def _propose_round(self, spans: list[DraftSpan], k: int, pad_to: int | None) -> None:

@@ -1,8 +1,9 @@
 """What makes the decode step static: batch buckets, persistent input buffers, compiled and
 graph-captured step functions (docs/design.md §5).
 
-* **Buckets.** A decode batch of ``n`` requests runs padded to the smallest bucket >= n
-  (``engine.batch_buckets``); padding rows write the caches' scratch slots and are never read.
+* **Buckets.** A compiled or graph-captured decode batch of ``n`` requests runs padded to the
+  smallest bucket >= n (``engine.batch_buckets``; eager ones only with ``engine.pad_batches``);
+  padding rows write the caches' scratch slots and are never read.
   Block tables are padded to a power-of-two width, so shapes change only when a context
   doubles.
 * **Persistent inputs.** :class:`StepBuffers` keeps one device tensor per input name and shape;
