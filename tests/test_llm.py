@@ -138,3 +138,15 @@ def test_a_tokenizer_less_preset_takes_token_ids():
     assert 1 <= len(out.token_ids) <= 6 and out.text == ""
     with pytest.raises(ConfigError, match="tokenizer"):
         debug.generate("text needs a tokenizer", max_tokens=2)
+
+
+def test_llm_warms_up_what_serving_would_pay_for_in_its_first_requests():
+    """``LLM(...)`` with adaptive k measures its step costs at every batch bucket it can run
+    before any request; an eager engine at a fixed k has nothing to warm."""
+    auto = LLM(model="inkling-debug", num_speculative_tokens="auto", engine={"max_num_seqs": 3})
+    adaptive = auto.engine.adaptive
+    assert adaptive is not None and auto.engine.needs_warmup
+    assert all(adaptive.has_costs(b) for b in (1, 2, 4)) and auto.engine.warmup_s > 0
+    assert not auto.engine.has_unfinished() and auto.engine.metrics.num_steps == 0  # warm-up leaves no trace
+    fixed = LLM(model="inkling-debug", num_speculative_tokens=2)
+    assert not fixed.engine.needs_warmup and fixed.warmup() == 0.0 and fixed.engine.warmup_s == 0.0

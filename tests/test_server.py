@@ -364,3 +364,24 @@ def test_an_engine_failure_fails_that_request_alone(reference):
             events = [json.loads(line[5:]) for line in resp.iter_lines() if line.startswith("data: {")]
         assert "KV cache blocks" in events[-1]["error"]["message"]
         assert small.engine.kv.is_whole()
+
+
+def test_serve_warms_up_before_it_listens(monkeypatch, capsys):
+    """``scripts/serve.py`` with adaptive k measures its step costs at every batch it can run
+    before uvicorn starts listening, and says how long that took."""
+    import uvicorn
+
+    from inkfw.server.run import run_server
+    from inkfw.speculative.factory import serving_config
+
+    served = {}
+
+    def listen(app, **_):  # in place of uvicorn.run: what the server would serve
+        served["engine"] = app.state.inkfw.llm.engine
+
+    monkeypatch.setattr(uvicorn, "run", listen)
+    cfg = serving_config(["model=inkling-debug", "spec.num_tokens=auto", "engine.max_num_seqs=2"])
+    run_server(cfg)
+    engine = served["engine"]
+    assert engine.adaptive is not None and all(engine.adaptive.has_costs(b) for b in (1, 2))
+    assert engine.metrics.num_steps == 0 and re.search(r"warmed up in \d+\.\d s", capsys.readouterr().out)

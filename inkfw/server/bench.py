@@ -174,6 +174,7 @@ def run_server_bench(cfg: DictConfig) -> list[LevelResult]:
         if tokenizer is None:
             raise ConfigError("the server benchmark sends text prompts; the model needs a tokenizer.json.")
         llm = LLM.from_engine(engine, tokenizer, variant)
+        llm.warmup()  # as scripts/serve.py does before it listens
         with serve_in_thread(create_app(llm)) as url:
             asyncio.run(_level(url, prompts[:1], 1, max_tokens))  # warm-up
             for c in levels:

@@ -57,6 +57,13 @@ def run_server(cfg: Any) -> None:
     opts = server_options(cfg)
     engine, tokenizer = build_engine(cfg)
     llm = LLM.from_engine(engine, tokenizer, cfg)
+    if engine.needs_warmup:  # before listening: no request pays for compiles, nor for k chosen unmeasured
+        seconds = llm.warmup()
+        print(
+            f"inkfw: warmed up in {seconds:.1f} s (compiled / captured steps, adaptive k's step costs; "
+            f"batches 1-{engine.config.max_num_seqs})",
+            flush=True,
+        )
     app = create_app(llm, model_name=opts.model_name, api_key=opts.api_key)
     name = app.state.inkfw.model_name
     print(

@@ -331,6 +331,14 @@ class Engine:
         return getattr(self.verifier, "cuda_graphs", False)
 
     @property
+    def needs_warmup(self) -> bool:
+        """Whether :meth:`warmup` prepares anything that serving would otherwise pay for in its
+        first requests: step shapes to compile (``engine.compile``) or capture (CUDA graphs), or
+        the step costs adaptive k chooses by (without them it prices steps by a fixed model). An
+        eager engine at a fixed k has none."""
+        return self.adaptive is not None or self.config.compile or self.cuda_graphs
+
+    @property
     def warmup_s(self) -> float:
         """Seconds of warm-up, which tokens/s figures leave out: :meth:`warmup`'s, plus compiles
         and captures of step shapes first met while generating (a context whose block table
