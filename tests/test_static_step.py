@@ -1484,6 +1484,41 @@ def test_auto_k_at_zero_lets_one_request_draft_for_a_probe(model, monkeypatch):
     assert outputs(reqs) == outputs(plain)
 
 
+def test_a_larger_batch_lowers_the_depths_chosen_for_a_smaller_one(model, monkeypatch):
+    """A request admitted alone keeps the depths that pay at bucket 1 (2 of 3 here) and drafts
+    k = 1 in shallow rounds (depth 1 deferred); three that join it make bucket 4, where a request
+    keeps 1 (a stand-in for AdaptiveK.depths_for prices depths by bucket alone). The first
+    request is lowered to 1 depth: its blocks of depth 1 go back to the pool, its deferred
+    positions need no catch-up, and all four draft in one round. Drafts match the uncached
+    reference (check_drafts), outputs equal plain decoding, and every block comes back."""
+    engine, kv = make_engine(model, ["drafter=mtp", "mtp.depths=3", "spec.num_tokens=auto"], max_num_seqs=4)
+    adaptive, drafter = engine.adaptive, parts(engine)[1]
+    assert isinstance(adaptive, AdaptiveK)
+    adaptive.set_costs(1, [1.0, 1.0, 3.0, 3.0])  # k = 1 best
+    adaptive.probe_every = 0
+    monkeypatch.setattr(adaptive, "depths_for", lambda bucket, *_, **__: 2 if bucket == 1 else 1)
+    prompts, new = prompts_of(71, 4), 12
+    first = engine.add_request(prompts[0], max_new_tokens=new)
+    for _ in range(3):
+        engine.step()
+    depth_groups = [gi for gi, d in enumerate(kv._group_depth) if d is not None and d >= 1]
+    assert first.draft_depths == 2 and first.depths_bucket == 1 and engine.k_chosen[1] >= 2
+    assert sum(kv.held_blocks(first.id)[gi] for gi in depth_groups) > 0
+    assert drafter.stale_from(first.id) is not None  # shallow rounds deferred depth 1
+    rest = [engine.add_request(p, max_new_tokens=new) for p in prompts[1:]]
+    seen = spy_padding(engine)
+    engine.step()
+    assert first.draft_depths == 1 and engine.depths_lowered == 1
+    assert sum(kv.held_blocks(first.id)[gi] for gi in depth_groups) == 0
+    assert drafter.stale_from(first.id) is None  # depth 1 never runs over it again
+    assert [r.draft_depths for r in rest] == [1, 1, 1]
+    engine.generate([first, *rest])
+    assert ("draft", 4) in [(part, rows) for part, rows, pad in seen if pad is not None]  # one round for all
+    plain, _, _ = generate(model, NO_DRAFTER, prompts, new, check_drafts=False)
+    assert outputs([first, *rest]) == outputs(plain)
+    assert kv.is_whole()
+
+
 @pytest.mark.parametrize("defer_limit", [0, 10, 64])
 def test_shallow_rounds_defer_deeper_depths_exactly(model, defer_limit):
     """k switches at random between rounds (0 .. k_max = D = 4, P = 4), over two batches that

@@ -518,6 +518,22 @@ class PagedKVManager:
                 table.append(block)
         return True
 
+    def drop_draft_depths(self, rid: Hashable, keep: int) -> None:
+        """Request ``rid`` drafts with depths ``0 .. keep - 1`` only from now on: its blocks in
+        the groups of deeper depths go back to the pool (tail blocks first; those registered for
+        prefix caching stay cached), and it gets none there again (:meth:`ensure`,
+        :meth:`finalize`)."""
+        held = self._held[rid]
+        for gi, (g, table) in enumerate(zip(self.groups, self._tables[rid])):
+            depth = self._group_depth[gi]
+            if depth is None or depth < keep or not held[gi]:
+                continue
+            for block in reversed(table):
+                if block >= 0:
+                    g.pool.release(block)
+            table.clear()
+            held[gi] = False
+
     def _clear_fresh_blocks(self) -> None:
         """Tag the slots of the blocks allocated since the last forward empty, one op per group
         (per block, a batch of 16 drafting requests cleared ~90 blocks a step: ~270 eager ops on

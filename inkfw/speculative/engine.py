@@ -123,6 +123,7 @@ class Request:
     lag_start: int | None = None  # first position of the lag (adaptive k chose 0 for those steps)
     drafting_off: bool = False  # adaptive k stopped its drafting (docs/design.md §6): plain from lag_start on
     draft_depths: int | None = None  # MTP depths it drafts with, set at admission (None: all; 0: none)
+    depths_bucket: int = 0  # the batch bucket those depths were chosen for (a larger one may lower them)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -238,6 +239,7 @@ class Engine:
         self._forced_k: int | None = None  # warm-up: every round drafts this many
         self.k_chosen: collections.Counter[int] = collections.Counter()  # k of each drafting round
         self.depths_admitted: collections.Counter[int] = collections.Counter()  # depths -> requests admitted
+        self.depths_lowered = 0  # running requests whose depths a larger batch lowered
         self._typical_step_s: dict[int, float] = {}  # bucket -> decayed mean of decode steps without a probe
         self._probe_pair: tuple[int, float] | None = None  # (bucket, seconds) of a probe's drafting step
 
@@ -613,20 +615,24 @@ class Engine:
         return not self._probe_soon(bucket) or any(not other.drafting_off for other in self.running)
 
     def _admission_depths(self, r: Request, num_rows: int) -> int | None:
-        """The MTP depths ``r``, admitted into a batch of ``num_rows``, drafts with for good
-        (docs/design.md §5, adaptive k); None: every depth. 0 where it decodes plainly
+        """The MTP depths ``r``, admitted into a batch of ``num_rows``, drafts with (docs/design.md
+        §6, depths per request); None: every depth. 0 where it decodes plainly
         (:meth:`_admits_plainly`), else the ``m`` of :meth:`AdaptiveK.depths_for`: fewer than P
         where its prompt pass and steps cost less so than they gain, and the number that running
         requests kept to fewer depths draft with unless another pays for the drafting round it
-        adds to every step. A probe needs a row with every depth, so where one falls due within
-        ``r``'s expected steps and no running request keeps every depth, ``r`` keeps them all."""
+        adds to every step. Running requests whose depths were chosen for a smaller batch keep no
+        more than ``r`` would alone (:meth:`_lower_running_depths`). A probe needs a row with
+        every depth, so where one falls due within ``r``'s expected steps and no running request
+        keeps every depth, ``r`` keeps them all."""
         if self.adaptive is None or self._forced_k is not None or not self.drafter.needs_hidden:
             return None
         bucket = bucket_for(num_rows, self.config.batch_buckets)
+        r.depths_bucket = bucket
         new_tokens = r.max_new_tokens - len(r.output_token_ids)
         if self._admits_plainly(r, bucket, new_tokens):
             return 0
         self.adaptive.note_admission(len(r.token_ids))
+        self._lower_running_depths(bucket, self.adaptive.depths_for(bucket, len(r.token_ids), new_tokens))
         steps = new_tokens / self.adaptive.expected_tokens(self.adaptive.best_k(bucket))
         if self.adaptive.steps_to_probe(bucket) <= steps and not any(_keeps_every_depth(o) for o in self.running):
             return None
@@ -634,6 +640,27 @@ class Engine:
         running = {o.draft_depths for o in self.running if o.draft_depths is not None and not o.drafting_off}
         depths = self.adaptive.depths_for(bucket, len(r.token_ids), new_tokens, running)
         return None if depths >= self.drafter.lookahead else depths
+
+    def _lower_running_depths(self, bucket: int, depths: int) -> None:
+        """Running requests whose depths were chosen for a batch bucket below ``bucket`` keep no
+        more than ``depths``: what a request admitted now keeps by itself (docs/design.md §6,
+        depths per request). The first of a burst of requests is admitted alone and keeps the
+        depths that pay at batch 1; in the larger batch each depth's steps cost more, yet every
+        request admitted beside it kept the same depths only to share its drafting round (on a
+        loopback server at concurrency 16: 64 requests at 4 depths, k = 4-5 at bucket 16, 0.84x
+        plain decoding). Lowering costs nothing: the deeper depths stop running over the request
+        and their blocks go back to the pool; raising would need them to pass over everything it
+        has, so depths only ever go down. Probe carriers (every depth) keep theirs."""
+        for o in self.running:
+            m = o.draft_depths
+            if m is None or o.drafting_off or o.finished or o.depths_bucket >= bucket:
+                continue
+            o.depths_bucket = bucket  # chosen for this bucket now
+            if depths < m:
+                o.draft_depths = depths
+                self.kv.drop_draft_depths(o.id, depths)
+                self.drafter.limit_depths(o.id, depths)  # type: ignore[attr-defined]
+                self.depths_lowered += 1
 
     def _draft(self, spans: list[DraftSpan], num_rows: int) -> None:
         """Propose the next drafts of ``spans`` into their requests' slots. With adaptive k at 0

@@ -121,6 +121,13 @@ class MtpDrafter(StepModes):
     def release(self, rid: Hashable) -> None:
         self._rows.pop(rid, None)
 
+    def limit_depths(self, rid: Hashable, depths: int) -> None:
+        """Request ``rid`` drafts with depths ``0 .. depths - 1`` only from now on (its spans say
+        so, ``DraftSpan.depths``): positions deferred for deeper depths alone need no catch-up."""
+        state = self._rows.get(rid)
+        if state is not None and state.deferred is not None and state.deferred.level >= depths:
+            state.deferred = None
+
     def next_start(self, rid: Hashable) -> int | None:
         """First position request ``rid``'s next span must start at (None: not seen yet)."""
         state = self._rows.get(rid)
