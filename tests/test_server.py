@@ -384,4 +384,7 @@ def test_serve_warms_up_before_it_listens(monkeypatch, capsys):
     run_server(cfg)
     engine = served["engine"]
     assert engine.adaptive is not None and all(engine.adaptive.has_costs(b) for b in (1, 2))
-    assert engine.metrics.num_steps == 0 and re.search(r"warmed up in \d+\.\d s", capsys.readouterr().out)
+    said = capsys.readouterr().out
+    assert engine.metrics.num_steps == 0 and re.search(
+        r"warmed up in \d+\.\d s \(adaptive k's step costs measured;", said
+    )
