@@ -240,7 +240,8 @@ class LLM:
     def __init__(self, model: str | Path | None = None, *, overrides: Sequence[str] = (), **options: Any):
         self.config: DictConfig = serving_config(options_to_overrides(model, **options) + list(overrides))
         self.engine, self.tokenizer = build_engine(self.config)
-        self.warmup()
+        if self.engine.adaptive is not None:  # k is chosen by measured step costs (compiles stay lazy)
+            self.warmup()
         seed = self.config.get("seed", 0)
         if isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0:
             torch.manual_seed(seed)
@@ -258,9 +259,11 @@ class LLM:
         (:meth:`Engine.warmup`): compile or capture its step shapes and, with
         ``spec.num_tokens=auto``, measure the step costs adaptive k chooses by. Returns the
         seconds spent (also in ``engine.warmup_s``), 0 for an engine with nothing to warm
-        (:attr:`Engine.needs_warmup`: eager at a fixed k). ``LLM(...)`` runs it; an ``LLM``
-        made :meth:`from_engine` leaves it to its caller (``scripts/serve.py`` runs it before
-        it listens)."""
+        (:attr:`Engine.needs_warmup`: eager at a fixed k). ``LLM(...)`` runs it with
+        ``spec.num_tokens=auto``, whose choices need the costs; otherwise a compiled engine
+        compiles each shape at its first use, as ``scripts/infer.py`` does. An ``LLM`` made
+        :meth:`from_engine` leaves it to its caller (``scripts/serve.py`` runs it before it
+        listens)."""
         if not self.engine.needs_warmup:
             return 0.0
         return self.engine.warmup(range(1, self.engine.config.max_num_seqs + 1))

@@ -142,7 +142,8 @@ def test_a_tokenizer_less_preset_takes_token_ids():
 
 def test_llm_warms_up_what_serving_would_pay_for_in_its_first_requests():
     """``LLM(...)`` with adaptive k measures its step costs at every batch bucket it can run
-    before any request; an eager engine at a fixed k has nothing to warm."""
+    before any request; an eager engine at a fixed k has nothing to warm, and a compiled one
+    compiles at first use unless asked (``llm.warmup()``)."""
     auto = LLM(model="inkling-debug", num_speculative_tokens="auto", engine={"max_num_seqs": 3})
     adaptive = auto.engine.adaptive
     assert adaptive is not None and auto.engine.needs_warmup
@@ -150,3 +151,5 @@ def test_llm_warms_up_what_serving_would_pay_for_in_its_first_requests():
     assert not auto.engine.has_unfinished() and auto.engine.metrics.num_steps == 0  # warm-up leaves no trace
     fixed = LLM(model="inkling-debug", num_speculative_tokens=2)
     assert not fixed.engine.needs_warmup and fixed.warmup() == 0.0 and fixed.engine.warmup_s == 0.0
+    compiled = LLM(model="inkling-debug", num_speculative_tokens=2, engine={"compile": True})
+    assert compiled.engine.needs_warmup and compiled.engine.warmup_s == 0.0  # nothing compiled yet
