@@ -1484,6 +1484,28 @@ def test_auto_k_at_zero_lets_one_request_draft_for_a_probe(model, monkeypatch):
     assert outputs(reqs) == outputs(plain)
 
 
+def test_a_carrier_drafting_k_shares_the_round_of_rows_kept_to_k_depths(model, monkeypatch):
+    """A request that keeps every depth (a probe's carrier, 3 here) and one kept to 2 depths,
+    both drafting k = 2: the carrier defers its third depth and both draft in one round each
+    step, where each number of depths kept used to cost a round of its own. Drafts match the
+    uncached reference (check_drafts), outputs equal plain decoding, every block comes back."""
+    engine, kv = make_engine(model, ["drafter=mtp", "mtp.depths=3", "spec.num_tokens=auto"], max_num_seqs=2)
+    depths = iter([None, 2])
+    monkeypatch.setattr(engine, "_admission_depths", lambda r, num_rows: next(depths))
+    monkeypatch.setattr(engine, "_round_k", lambda *_, **__: 2)
+    prompts, new = prompts_of(73, 2), 10
+    reqs = [engine.add_request(p, max_new_tokens=new) for p in prompts]
+    seen = spy_padding(engine)
+    engine.generate(reqs)
+    assert [r.draft_depths for r in reqs] == [None, 2]
+    decode_rounds = [rows for part, rows, pad in seen if part == "draft" and pad is not None]
+    assert decode_rounds and decode_rounds[0] == 2  # one round for both rows
+    assert engine.k_chosen[2] == len([rows for part, rows, _ in seen if part == "draft"])  # one round a step
+    plain, _, _ = generate(model, NO_DRAFTER, prompts, new, check_drafts=False)
+    assert outputs(reqs) == outputs(plain)
+    assert kv.is_whole()
+
+
 def test_a_larger_batch_lowers_the_depths_chosen_for_a_smaller_one(model, monkeypatch):
     """A request admitted alone keeps the depths that pay at bucket 1 (2 of 3 here) and drafts
     k = 1 in shallow rounds (depth 1 deferred); three that join it make bucket 4, where a request

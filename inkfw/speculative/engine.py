@@ -714,15 +714,17 @@ class Engine:
         return self.drafter.lookahead if r.draft_depths is None else r.draft_depths
 
     def _propose_into_slots(self, spans: list[DraftSpan], k: int, static: bool) -> None:
-        """Drafting rounds over ``spans`` at ``k`` (at most a request's depths), one per number of
-        depths the requests keep (:meth:`_admission_depths`), their drafts written into the
-        requests' slots. ``static``: spans of one verify step each, at fixed widths (compiled /
+        """Drafting rounds over ``spans`` at ``k`` (at most a request's depths), one per round
+        shape among them (``MtpDrafter.round_shape``: the drafts a row makes and the depths it
+        runs, which the depths it keeps bound, :meth:`_admission_depths`), their drafts written
+        into the requests' slots. ``static``: spans of one verify step each, at fixed widths (compiled /
         graph-captured) and padded to a batch bucket where the engine pads (:attr:`pads_batches`);
         else eager, any span length."""
-        by_depths: dict[int | None, list[DraftSpan]] = {}
+        shape = getattr(self.drafter, "round_shape", None)  # MTP: rows of one (drafts, depths run)
+        by_shape: dict[object, list[DraftSpan]] = {}
         for s in spans:
-            by_depths.setdefault(s.depths, []).append(s)
-        for group in by_depths.values():
+            by_shape.setdefault(shape(s, k) if shape is not None else s.depths, []).append(s)
+        for group in by_shape.values():
             rows = bucket_for(len(group), self.config.batch_buckets) if self.pads_batches else len(group)
             pad_to = rows if static else None
             self._propose_round(group, k, pad_to)

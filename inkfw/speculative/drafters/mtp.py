@@ -139,6 +139,24 @@ class MtpDrafter(StepModes):
         state = self._rows.get(rid)
         return None if state is None or state.deferred is None else state.deferred.first
 
+    def round_shape(self, span: DraftSpan, num_tokens: int | None = None) -> tuple[int, int, bool]:
+        """(drafts, depths run, catches up) of ``span``'s row in a round at ``num_tokens`` (default
+        k); rows of one shape draft in one round (:meth:`propose`). A row kept to ``m < P`` depths
+        drafts at most ``m``. One that keeps more depths than it drafts runs only the depths that
+        draft where it can defer the others (:meth:`_can_defer`; a *shallow* row), all it keeps
+        otherwise. So a probe's carrier drafting k < P shares the round of the rows kept to k
+        depths. A row catches up where depths that run have not run over some of its positions
+        (it re-spans from the first: a round of any span length, eager), so it drafts apart from
+        rows that do not."""
+        P = self.lookahead
+        top = P if span.depths is None else span.depths
+        K = self.num_tokens if num_tokens is None else num_tokens
+        if top < P:  # limited rows draft no more than their depths (no decode steps)
+            K = min(K, top)
+        state = self._rows.get(span.request.id) or _RowState(span.start, 0)
+        depths_run = K if top > K and self._can_defer(state, span.new_positions) else top
+        return K, depths_run, state.deferred is not None and state.deferred.level < depths_run
+
     def _can_defer(self, state: _RowState, new_positions: int) -> bool:
         """Whether a row may skip its deeper depths this round: its deferred positions (counting
         the tail it would keep) stay within ``defer_limit``."""
@@ -164,23 +182,22 @@ class MtpDrafter(StepModes):
         depths) run eagerly. A round with ``num_tokens`` < P runs depths ``0 .. num_tokens - 1``
         only when every row can defer the others (:meth:`_can_defer`); otherwise all P depths run
         and rows with deferred positions catch up. Rows limited to ``m < P`` depths
-        (``DraftSpan.depths``, one limit per round: the engine groups them) take ``m`` in place of
-        P, and k at most ``m``. Returns the first ``len(spans)`` rows."""
+        (``DraftSpan.depths``) take ``m`` in place of P, and k at most ``m``. Every row must have
+        one :meth:`round_shape` (the engine groups them): rows that keep more depths than the
+        round drafts defer the rest, beside rows that keep just as many. Returns the first
+        ``len(spans)`` rows."""
         P = self.lookahead
-        limits = {P if s.depths is None else s.depths for s in spans}
-        assert len(limits) <= 1 and limits <= set(range(1, P + 1)), f"one round over rows of depths {limits}"
-        top = limits.pop() if limits else P  # the depths these rows draft with
-        K = self.num_tokens if num_tokens is None else num_tokens
-        if top < P:  # limited rows draft no more than their depths (no decode steps)
-            K = min(K, top)
+        tops = [P if s.depths is None else s.depths for s in spans]  # the depths each row drafts with
+        assert set(tops) <= set(range(1, P + 1)), f"rows of depths {set(tops)}"
+        shapes = {self.round_shape(s, num_tokens)[:2] for s in spans}
+        assert len(shapes) <= 1, f"one round over rows of one shape, got {shapes}"
+        K, depths_run = shapes.pop() if shapes else (self.num_tokens if num_tokens is None else num_tokens, P)
+        defers = [top > depths_run for top in tops]  # shallow for this row: depths >= K wait
         self.reserve(max((s.slot for s in spans), default=0) + 1)
         scratch = self.tail.shape[0] - 1
         states = [self._rows.get(s.request.id) or _RowState(s.start, 0) for s in spans]
-        # a shallow round runs depths 0 .. K-1 only; otherwise every row's deferred positions are
-        # run over by all its depths now. A row re-spans from its first deferred position when the
-        # depths that run include some that have not run over it (docs/design.md §2).
-        shallow = top > K and all(self._can_defer(st, s.new_positions) for st, s in zip(states, spans))
-        depths_run = K if shallow else top
+        # A row re-spans from its first deferred position when the depths that run include some
+        # that have not run over it (docs/design.md §2).
         respans = [st.deferred is not None and st.deferred.level < depths_run for st in states]
         if any(respans):
             pad_to = None  # spans of any length: an eager round
@@ -189,7 +206,7 @@ class MtpDrafter(StepModes):
         # ---- host: each row's span (re-prefilled positions + the new ones), read from host values
         slots, starts, lengths, takes, wants, draft_at, rids = [], [], [], [], [], [], []
         hiddens: list[torch.Tensor] = []  # [>= length - take, H] per row: the span's rows past its tail ones
-        for span, state, respan in zip(spans, states, respans):
+        for span, state, respan, shallow in zip(spans, states, respans, defers):
             rid = span.request.id
             assert span.start == state.next_start, (
                 f"request {rid}: span starts at {span.start}, drafter expected {state.next_start}"
