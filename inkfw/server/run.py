@@ -57,19 +57,11 @@ def run_server(cfg: Any) -> None:
     opts = server_options(cfg)
     engine, tokenizer = build_engine(cfg)
     llm = LLM.from_engine(engine, tokenizer, cfg)
-    if engine.needs_warmup:  # before listening: no request pays for compiles, nor for k chosen unmeasured
+    if engine.warmup_work:  # before listening: no request pays for compiles, nor for k chosen unmeasured
         seconds = llm.warmup()
-        done = [
-            what
-            for what, on in (
-                ("steps compiled", engine.config.compile),
-                ("CUDA graphs captured", engine.cuda_graphs),
-                ("adaptive k's step costs measured", engine.adaptive is not None),
-            )
-            if on
-        ]
         print(
-            f"inkfw: warmed up in {seconds:.1f} s ({', '.join(done)}; batches 1-{engine.config.max_num_seqs})",
+            f"inkfw: warmed up in {seconds:.1f} s ({', '.join(engine.warmup_work)}; "
+            f"batches 1-{engine.config.max_num_seqs})",
             flush=True,
         )
     app = create_app(llm, model_name=opts.model_name, api_key=opts.api_key)

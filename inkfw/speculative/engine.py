@@ -328,17 +328,27 @@ class Engine:
         return pad if pad is not None else self.config.compile or self.cuda_graphs
 
     @property
-    def cuda_graphs(self) -> bool:
-        """Whether the target's step functions replay CUDA graphs (the verifier's step mode)."""
-        return getattr(self.verifier, "cuda_graphs", False)
+    def warmup_work(self) -> list[str]:
+        """What :meth:`warmup` prepares that serving would otherwise pay for in its first
+        requests: step shapes to compile (``engine.compile``) or capture (CUDA graphs), and the
+        step costs adaptive k chooses by (without them it prices steps by a fixed model). Empty
+        for an eager engine at a fixed k."""
+        work = [
+            ("steps compiled", self.config.compile),
+            ("CUDA graphs captured", self.cuda_graphs),
+            ("adaptive k's step costs measured", self.adaptive is not None),
+        ]
+        return [what for what, needed in work if needed]
 
     @property
     def needs_warmup(self) -> bool:
-        """Whether :meth:`warmup` prepares anything that serving would otherwise pay for in its
-        first requests: step shapes to compile (``engine.compile``) or capture (CUDA graphs), or
-        the step costs adaptive k chooses by (without them it prices steps by a fixed model). An
-        eager engine at a fixed k has none."""
-        return self.adaptive is not None or self.config.compile or self.cuda_graphs
+        """Whether :meth:`warmup` prepares anything serving would otherwise pay for (:attr:`warmup_work`)."""
+        return bool(self.warmup_work)
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether the target's step functions replay CUDA graphs (the verifier's step mode)."""
+        return getattr(self.verifier, "cuda_graphs", False)
 
     @property
     def warmup_s(self) -> float:
@@ -632,7 +642,7 @@ class Engine:
         if self._admits_plainly(r, bucket, new_tokens):
             return 0
         self.adaptive.note_admission(len(r.token_ids))
-        self._lower_running_depths(bucket, self.adaptive.depths_for(bucket, len(r.token_ids), new_tokens))
+        self._lower_running_depths(bucket, r, new_tokens)
         steps = new_tokens / self.adaptive.expected_tokens(self.adaptive.best_k(bucket))
         if self.adaptive.steps_to_probe(bucket) <= steps and not any(_keeps_every_depth(o) for o in self.running):
             return None
@@ -641,21 +651,29 @@ class Engine:
         depths = self.adaptive.depths_for(bucket, len(r.token_ids), new_tokens, running)
         return None if depths >= self.drafter.lookahead else depths
 
-    def _lower_running_depths(self, bucket: int, depths: int) -> None:
+    def _lower_running_depths(self, bucket: int, r: Request, new_tokens: int) -> None:
         """Running requests whose depths were chosen for a batch bucket below ``bucket`` keep no
-        more than ``depths``: what a request admitted now keeps by itself (docs/design.md §6,
+        more than ``r``, admitted now to emit ``new_tokens``, keeps by itself (docs/design.md §6,
         depths per request). The first of a burst of requests is admitted alone and keeps the
         depths that pay at batch 1; in the larger batch each depth's steps cost more, yet every
         request admitted beside it kept the same depths only to share its drafting round (on a
         loopback server at concurrency 16, whole repeats at 4 depths: 1.04-1.07x plain decoding
-        against 1.14-1.15x with lowering). Lowering costs nothing: the deeper depths stop running over the request
-        and their blocks go back to the pool; raising would need them to pass over everything it
-        has, so depths only ever go down. Probe carriers (every depth) keep theirs."""
-        for o in self.running:
-            m = o.draft_depths
-            if m is None or o.drafting_off or o.finished or o.depths_bucket >= bucket:
-                continue
+        against 1.14-1.15x with lowering). Lowering costs nothing: the deeper depths stop running
+        over the request and their blocks go back to the pool; raising would need them to pass
+        over everything it has, so depths only ever go down. Probe carriers (every depth) keep
+        theirs."""
+        assert self.adaptive is not None
+        chosen_below = [
+            o
+            for o in self.running
+            if o.draft_depths is not None and not o.drafting_off and not o.finished and o.depths_bucket < bucket
+        ]
+        if not chosen_below:  # most admissions: nothing to price
+            return
+        depths = self.adaptive.depths_for(bucket, len(r.token_ids), new_tokens)
+        for o in chosen_below:
             o.depths_bucket = bucket  # chosen for this bucket now
+            m = cast(int, o.draft_depths)
             if depths < m:
                 o.draft_depths = depths
                 self.kv.drop_draft_depths(o.id, depths)

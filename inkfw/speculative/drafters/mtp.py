@@ -179,26 +179,25 @@ class MtpDrafter(StepModes):
         in a batch padded to ``pad_to`` rows (padding rows compute and write nothing that is
         read). ``pad_to`` also marks the round static (spans of one verify step each): only
         those run compiled or as CUDA graphs; others (after prefill chunks, catch-ups of deferred
-        depths) run eagerly. A round with ``num_tokens`` < P runs depths ``0 .. num_tokens - 1``
-        only when every row can defer the others (:meth:`_can_defer`); otherwise all P depths run
-        and rows with deferred positions catch up. Rows limited to ``m < P`` depths
-        (``DraftSpan.depths``) take ``m`` in place of P, and k at most ``m``. Every row must have
-        one :meth:`round_shape` (the engine groups them): rows that keep more depths than the
-        round drafts defer the rest, beside rows that keep just as many. Returns the first
+        depths) run eagerly. Every row has one :meth:`round_shape` (the engine groups them): a
+        row drafts ``num_tokens`` < P running depths ``0 .. num_tokens - 1`` only where it can
+        defer the others (:meth:`_can_defer`), beside rows that keep just as many; otherwise all
+        its depths run and its deferred positions catch up. Rows limited to ``m < P`` depths
+        (``DraftSpan.depths``) take ``m`` in place of P, and k at most ``m``. Returns the first
         ``len(spans)`` rows."""
         P = self.lookahead
         tops = [P if s.depths is None else s.depths for s in spans]  # the depths each row drafts with
         assert set(tops) <= set(range(1, P + 1)), f"rows of depths {set(tops)}"
-        shapes = {self.round_shape(s, num_tokens)[:2] for s in spans}
-        assert len(shapes) <= 1, f"one round over rows of one shape, got {shapes}"
-        K, depths_run = shapes.pop() if shapes else (self.num_tokens if num_tokens is None else num_tokens, P)
+        shapes = [self.round_shape(s, num_tokens) for s in spans]
+        assert len({shape[:2] for shape in shapes}) <= 1, f"one round over rows of one shape, got {set(shapes)}"
+        K, depths_run = shapes[0][:2] if shapes else (self.num_tokens if num_tokens is None else num_tokens, P)
         defers = [top > depths_run for top in tops]  # shallow for this row: depths >= K wait
+        # a row re-spans from its first deferred position where the depths that run include some
+        # that have not run over it (docs/design.md §2)
+        respans = [catches_up for _, _, catches_up in shapes]
         self.reserve(max((s.slot for s in spans), default=0) + 1)
         scratch = self.tail.shape[0] - 1
         states = [self._rows.get(s.request.id) or _RowState(s.start, 0) for s in spans]
-        # A row re-spans from its first deferred position when the depths that run include some
-        # that have not run over it (docs/design.md §2).
-        respans = [st.deferred is not None and st.deferred.level < depths_run for st in states]
         if any(respans):
             pad_to = None  # spans of any length: an eager round
         B = max(len(spans), pad_to or 0)
