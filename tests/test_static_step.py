@@ -18,11 +18,15 @@ from torch._dynamo.utils import counters
 
 from helpers.engine import (  # noqa: F401
     NO_DRAFTER,
+    assert_drafts_are_the_reference,
+    counted_compiles,
     generate,
     mtp,
     ngram,
     one_thread,
     outputs,
+    parts,
+    record_proposals,
     slow_first_calls,
     spec_model,
 )
@@ -31,9 +35,7 @@ from inkfw.errors import ConfigError
 from inkfw.models.inkling.layers import MoE
 from inkfw.profiling import count_host_reads
 from inkfw.speculative.adaptive import AdaptiveK, fit_step_costs, non_decreasing
-from inkfw.speculative.drafters.mtp import MtpDrafter
 from inkfw.speculative.engine import LAG_LIMIT, Engine, Request, StepTimes
-from inkfw.speculative.reference import reference_draft_logits
 from inkfw.speculative.sampling import SamplingParams
 from inkfw.speculative.step import (
     DEFAULT_BUCKETS,
@@ -43,7 +45,6 @@ from inkfw.speculative.step import (
     cpu_outer_loop_fusion_off,
     inductor_config_patches,
 )
-from inkfw.speculative.verifier import TargetVerifier
 
 VOCAB = 120  # logits vocabulary of spec_model()
 AUTO = ["drafter=mtp", "mtp.depths=2", "spec.num_tokens=auto"]  # adaptive k, k_max = D = 2
@@ -95,13 +96,6 @@ def decode_reads(engine: Engine, reqs: Sequence[Request]) -> tuple[int, int, dic
             engine.step()
             steps += 1
     return steps, reads.count, dict(reads.by_kind)
-
-
-def parts(engine: Engine) -> tuple[TargetVerifier, MtpDrafter]:
-    """The engine's verifier and MTP drafter, typed (their step buffers and step functions)."""
-    verifier, drafter = engine.verifier, engine.drafter
-    assert isinstance(verifier, TargetVerifier) and isinstance(drafter, MtpDrafter)
-    return verifier, drafter
 
 
 def one_at_a_time(engine: Engine, prompts: Sequence[Sequence[int]], new: int) -> list[list[int]]:
@@ -402,20 +396,6 @@ def compiled(model):
         yield engine, outs, steps, reads, stats
 
 
-@contextlib.contextmanager
-def counted_compiles():
-    """One torch thread, dynamo reset and its counters cleared: the graphs and breaks counted
-    inside are the block's own."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch._dynamo.reset()
-    counters.clear()
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def test_compiled_greedy_equals_eager(model, compiled):
     engine, outs, _, _, _ = compiled
     eager, _ = make_engine(model, mtp(2, 3), check_drafts=False)
@@ -492,34 +472,6 @@ def test_step_functions_of_one_def_keep_their_graphs_apart():
     for fn in fns:
         assert fn(values, blocks).tolist() == [1.0, 2.0, 3.0]
     assert [kv.pool.nonzero().flatten().tolist() for kv in pools] == [[0, 8, 20], [0, 16, 40]]
-
-
-def record_proposals(drafter: MtpDrafter) -> list[tuple[list[int], list[int], bool]]:
-    """Wraps ``drafter.propose``: per row of every round, (committed tokens, drafts, whether the
-    round was static), appended to the list returned."""
-    proposals = []
-    propose = drafter.propose
-
-    def recorded(spans, *args, **kwargs):
-        out = propose(spans, *args, **kwargs)
-        assert out.counts is not None
-        for b, span in enumerate(spans):
-            drafts = out.tokens[b, : out.counts[b]].tolist()
-            proposals.append((list(span.request.token_ids), drafts, kwargs.get("pad_to") is not None))
-        return out
-
-    drafter.propose = recorded  # type: ignore[method-assign]
-    return proposals
-
-
-def assert_drafts_are_the_reference(model, proposals, drafter: MtpDrafter) -> None:
-    """Every recorded draft (:func:`record_proposals`) equals the uncached reference's argmax."""
-    for committed, drafts, _ in proposals:
-        if drafts:
-            reference = reference_draft_logits(
-                model, torch.tensor(committed), torch.tensor(drafts), drafter.lookahead, drafter.num_depths
-            )
-            assert reference.argmax(-1).tolist() == drafts
 
 
 SPAN_PROMPTS = [

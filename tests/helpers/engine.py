@@ -4,21 +4,25 @@ that accepts a random number of drafts, one that accepts every draft, an oracle 
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from collections.abc import Sequence
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from helpers.models import randomize_, tiny_config
 from inkfw.cache.paged import PagedKVManager
 from inkfw.models.inkling.config import MtpConfig
 from inkfw.models.inkling.model import InklingLM
+from inkfw.speculative.drafters.mtp import MtpDrafter
 from inkfw.speculative.engine import Engine, Request
 from inkfw.speculative.factory import build_engine, serving_config
 from inkfw.speculative.interfaces import Drafts, Verdict
 from inkfw.speculative.observers import run_directly
+from inkfw.speculative.reference import reference_draft_logits
 from inkfw.speculative.sampling import Sampler, SamplingParams
 from inkfw.speculative.step import StepFunction
 from inkfw.speculative.verifier import TargetVerifier
@@ -287,3 +291,53 @@ def slow_first_calls(monkeypatch, seconds: float) -> None:
         return first_call(self, args)
 
     monkeypatch.setattr(StepFunction, "_call", compiling)
+
+
+# ----------------------------------------------------------------------------- compiled engines, drafts
+def parts(engine: Engine) -> tuple[TargetVerifier, MtpDrafter]:
+    """The engine's verifier and MTP drafter, typed (their step buffers and step functions)."""
+    verifier, drafter = engine.verifier, engine.drafter
+    assert isinstance(verifier, TargetVerifier) and isinstance(drafter, MtpDrafter)
+    return verifier, drafter
+
+
+@contextlib.contextmanager
+def counted_compiles():
+    """One torch thread, dynamo reset and its counters cleared: the graphs and breaks counted
+    inside are the block's own."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def record_proposals(drafter: MtpDrafter) -> list[tuple[list[int], list[int], bool]]:
+    """Wraps ``drafter.propose``: per row of every round, (committed tokens, drafts, whether the
+    round was static), appended to the list returned."""
+    proposals = []
+    propose = drafter.propose
+
+    def recorded(spans, *args, **kwargs):
+        out = propose(spans, *args, **kwargs)
+        assert out.counts is not None
+        for b, span in enumerate(spans):
+            drafts = out.tokens[b, : out.counts[b]].tolist()
+            proposals.append((list(span.request.token_ids), drafts, kwargs.get("pad_to") is not None))
+        return out
+
+    drafter.propose = recorded  # type: ignore[method-assign]
+    return proposals
+
+
+def assert_drafts_are_the_reference(model, proposals, drafter: MtpDrafter) -> None:
+    """Every recorded draft (:func:`record_proposals`) equals the uncached reference's argmax."""
+    for committed, drafts, _ in proposals:
+        if drafts:
+            reference = reference_draft_logits(
+                model, torch.tensor(committed), torch.tensor(drafts), drafter.lookahead, drafter.num_depths
+            )
+            assert reference.argmax(-1).tolist() == drafts

@@ -1,0 +1,143 @@
+"""The engine's end-to-end correctness checks in compiled mode (``engine.compile=true``), kept
+short: the scenarios of tests/test_engine.py (a queue of requests in batches of 1-4 rows padded
+to bucket 4, shared prefixes, chunked prefill, preemption, every acceptance count) and adaptive
+k's of tests/test_static_step.py (k switching between rounds, shallow rounds deferring deeper
+depths, catch-ups, lags, requests kept to fewer depths beside ones carrying every depth). Compiled greedy output equals eager output and plain decoding token for token, and
+every draft a compiled round made equals the uncached reference (``check_drafts`` would run
+the rounds eagerly, so drafts are recorded and checked afterwards).
+
+Compiling is the cost here (on a cold inductor cache about half a minute a graph on 2 cores):
+the two engines share one configuration, and so their graphs (inductor's cache serves the
+second), with one batch bucket. Batch 1 and k > D compiled are tests/test_static_step.py's."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import pytest
+from torch._dynamo.utils import counters
+
+from helpers.engine import (  # noqa: F401
+    NO_DRAFTER,
+    assert_drafts_are_the_reference,
+    counted_compiles,
+    generate,
+    make_engine,
+    mtp,
+    one_thread,
+    outputs,
+    parts,
+    random_accept,
+    random_prompts,
+    record_proposals,
+    spec_model,
+)
+from inkfw.speculative.adaptive import AdaptiveK
+from inkfw.speculative.engine import Engine, Request
+
+VOCAB = 120  # logits vocabulary of spec_model()
+AUTO = ["drafter=mtp", "mtp.depths=2", "spec.num_tokens=auto"]  # adaptive k, k_max = D = 2
+# a queue of eight requests through four slots, every batch padded to bucket 4, chunked prefill
+# (11 tokens a step), prefix-cache hits and preemption (16 blocks of 4 positions)
+QUEUE = ["engine.batch_buckets=[4]"]
+QUEUE_OPTIONS = dict(num_blocks=16, max_num_batched_tokens=11, max_num_seqs=4)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return spec_model(seed=0)
+
+
+def queue_of_prompts(seed: int) -> list[list[int]]:
+    """Eight prompts of 1-40 tokens, two sharing a prefix with a third (prefix-cache hits)."""
+    rng = random.Random(seed)
+    prompts = random_prompts(rng, 8, VOCAB, lo=1, hi=40)
+    base = random_prompts(rng, 1, VOCAB, lo=30, hi=30)[0]
+    prompts[2], prompts[5] = base + prompts[2][:3], base[:26] + prompts[5][:5]
+    return prompts
+
+
+def run(engine: Engine, prompts: Sequence[Sequence[int]], new: int) -> list[Request]:
+    reqs = engine.generate([engine.add_request(p, max_new_tokens=new) for p in prompts])
+    assert all(r.finished and r.finish_reason in ("length", "stop") for r in reqs), [r.error for r in reqs]
+    assert engine.kv.is_whole()
+    return reqs
+
+
+def compiled_functions(engine: Engine) -> set[str]:
+    """Names of the engine's step functions that ran compiled (verify, drafting rounds, depths)."""
+    verifier, drafter = parts(engine)
+    return {f.name for f in (*verifier._steps.values(), *drafter._steps.values()) if f.compiled and f.warmup_s > 0}
+
+
+def choose_at_random(engine: Engine, seed: int) -> None:
+    """Adaptive k's choices drawn at random, the same sequence in every engine given one seed:
+    k per round in 0..2, and per admission whether the request decodes plainly, carries the next
+    probe (every depth) or keeps 1 or 2 depths. Everything else is the engine's own."""
+    rng = random.Random(seed)
+    adaptive = engine.adaptive
+    assert isinstance(adaptive, AdaptiveK)
+    engine._round_k = lambda *_, **__: rng.choice([0, 1, 1, 1, 2, 2])  # type: ignore[method-assign]
+    engine._admits_plainly = lambda *_: rng.random() < 0.2  # type: ignore[method-assign]
+    adaptive.steps_to_probe = lambda bucket: rng.choice([0, 10**6])  # type: ignore[method-assign]
+    adaptive.depths_for = lambda *_, **__: rng.choice([1, 2])  # type: ignore[method-assign]
+
+
+def rounds_of_mixed_depths(engine: Engine) -> list[int]:
+    """Counts, in the one-element list returned, the static drafting rounds whose rows keep
+    different numbers of depths (a row kept to 1 beside a carrier of both, drafting k = 1)."""
+    drafter, count = parts(engine)[1], [0]
+    propose = drafter.propose
+
+    def counting(spans, *args, **kwargs):
+        count[0] += kwargs.get("pad_to") is not None and len({s.depths for s in spans}) > 1
+        return propose(spans, *args, **kwargs)
+
+    drafter.propose = counting  # type: ignore[method-assign]
+    return count
+
+
+def test_compiled_steps_draft_exactly_at_every_acceptance_count(model):
+    """Adaptive k's choices at random (:func:`choose_at_random`) and a verifier accepting a random
+    count 0..k, over the queue: rounds switch k, shallow rounds (k = 1 beside 2 depths) defer
+    depth 1 and later rounds catch it up, k = 0 leaves lags drafted over later, rows kept to 1
+    depth draft in one round with carriers of both, and preempted requests start over. Compiled
+    output equals eager output (every draft there checked, ``check_drafts``), every draft of
+    the compiled engine equals the uncached reference, and the pool ends whole."""
+    prompts = queue_of_prompts(7)
+    options = dict(verifier=random_accept(seed=3), **QUEUE_OPTIONS)
+
+    def serve(engine: Engine) -> list[Request]:
+        choose_at_random(engine, seed=19)
+        return run(engine, prompts, 16)
+
+    with counted_compiles():
+        compiled, _ = make_engine(model, AUTO, check_drafts=False, overrides=["engine.compile=true", *QUEUE], **options)
+        proposals = record_proposals(parts(compiled)[1])
+        mixed = rounds_of_mixed_depths(compiled)
+        reqs = serve(compiled)
+        breaks = dict(counters["graph_break"])
+    eager, _ = make_engine(model, AUTO, overrides=QUEUE, **options)  # check_drafts on
+    assert outputs(reqs) == outputs(serve(eager))
+    assert_drafts_are_the_reference(model, proposals, parts(compiled)[1])
+    assert max(r.num_preemptions for r in reqs) > 0
+    assert {a for _, _, n, a, _ in compiled.verifier.history if n == 2} == {0, 1, 2}  # type: ignore[attr-defined]
+    assert {0, 1, 2} <= set(compiled.depths_admitted) and compiled.k_chosen[0] > 0
+    assert {"verify", "draft-round-k2", "draft-round-k1-shallow"} <= compiled_functions(compiled)
+    static = sum(is_static for _, drafts, is_static in proposals if drafts)
+    caught_up = [drafts for _, drafts, is_static in proposals if not is_static and len(drafts) == 2]
+    assert static >= 30 and caught_up and mixed[0] > 0 and breaks == {}
+
+
+def test_compiled_greedy_mtp_equals_plain_decoding(model):
+    """The real greedy verifier and adaptive k's own choices, compiled, over the queue: token for
+    token what eager plain decoding emits."""
+    prompts = queue_of_prompts(8)
+    compiled, _ = make_engine(
+        model, AUTO, check_drafts=False, overrides=["engine.compile=true", *QUEUE], **QUEUE_OPTIONS
+    )
+    reqs = run(compiled, prompts, 16)
+    plain, _, _ = generate(model, NO_DRAFTER, prompts, 16, check_drafts=False)
+    assert outputs(reqs) == outputs(plain)
+    assert max(r.num_preemptions for r in reqs) > 0 and compiled.metrics.num_draft_tokens > 50
