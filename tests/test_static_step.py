@@ -1406,6 +1406,26 @@ def test_auto_k_admits_for_the_batch_the_queue_will_make(model):
     assert outputs(reqs) == outputs(plain)
 
 
+def test_auto_k_at_zero_drafts_over_a_sampled_prompt_for_a_probe(model, monkeypatch):
+    """k = 0 and a probe due: the drafter still passes over each prompt chunk (no drafts), so the
+    probe finds every depth's cache whole. With a sampled request in the batch that round of no
+    drafts raised StopIteration (no draft distribution to stack) and took the step down. Outputs,
+    the sampled request's included, equal plain decoding with the same seeds: k = 0 drafts
+    nothing, and each token is one draw."""
+    engine, _ = make_engine(model, AUTO, check_drafts=False)
+    adaptive = engine.adaptive
+    assert isinstance(adaptive, AdaptiveK)
+    monkeypatch.setattr(engine, "_round_k", lambda *_, **__: 0)
+    monkeypatch.setattr(adaptive, "steps_to_probe", lambda bucket: 0)  # due now: prompts drafted over
+    passes = record_proposals(parts(engine)[1])
+    prompts, params = prompts_of(74, 3), [SAMPLED, None, SamplingParams(temperature=0.7, seed=9)]
+    reqs = engine.generate([engine.add_request(p, sp, max_new_tokens=8) for p, sp in zip(prompts, params)])
+    assert passes and not any(drafts for _, drafts, _ in passes)  # rounds over the prompts, no drafts
+    assert not any(r.drafting_off for r in reqs) and engine.k_chosen[0] > 0
+    plain, _, _ = generate(model, NO_DRAFTER, prompts, 8, params=params, check_drafts=False)
+    assert outputs(reqs) == outputs(plain)
+
+
 def test_auto_k_at_zero_lets_one_request_draft_for_a_probe(model, monkeypatch):
     """k = 0 best at bucket 4 and a probe due soon: of 4 requests admitted together only the first
     drafts (its prompt drafted over, its lag caught up by the probe), the others decode plainly

@@ -472,8 +472,11 @@ class _SampledChooser:
             self.probs[step] = q
         return tok
 
-    def stacked_probs(self, tokens: torch.Tensor) -> torch.Tensor:
-        """q [B, K, V]: the processed distribution of each draft, one-hot for greedy rows."""
+    def stacked_probs(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """q [B, K, V]: the processed distribution of each draft, one-hot for greedy rows; None
+        for a round of no drafts (K = 0: adaptive k's pass over a prompt chunk kept for a probe)."""
+        if not self.probs:
+            return None
         V = next(iter(self.probs.values())).shape[-1]
         one_hot = F.one_hot(tokens, V).float()  # [B, K, V]
         q = torch.stack([self.probs.get(i, one_hot[:, i]) for i in range(tokens.shape[1])], dim=1)
