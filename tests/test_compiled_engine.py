@@ -35,6 +35,7 @@ from helpers.engine import (  # noqa: F401
 )
 from inkfw.speculative.adaptive import AdaptiveK
 from inkfw.speculative.engine import Engine, Request
+from inkfw.speculative.sampling import SamplingParams
 
 VOCAB = 120  # logits vocabulary of spec_model()
 AUTO = ["drafter=mtp", "mtp.depths=2", "spec.num_tokens=auto"]  # adaptive k, k_max = D = 2
@@ -58,8 +59,11 @@ def queue_of_prompts(seed: int) -> list[list[int]]:
     return prompts
 
 
-def run(engine: Engine, prompts: Sequence[Sequence[int]], new: int) -> list[Request]:
-    reqs = engine.generate([engine.add_request(p, max_new_tokens=new) for p in prompts])
+def run(
+    engine: Engine, prompts: Sequence[Sequence[int]], new: int, params: Sequence[SamplingParams | None] = ()
+) -> list[Request]:
+    params = list(params) or [None] * len(prompts)
+    reqs = engine.generate([engine.add_request(p, sp, max_new_tokens=new) for p, sp in zip(prompts, params)])
     assert all(r.finished and r.finish_reason in ("length", "stop") for r in reqs), [r.error for r in reqs]
     assert engine.kv.is_whole()
     return reqs
@@ -141,3 +145,24 @@ def test_compiled_greedy_mtp_equals_plain_decoding(model):
     plain, _, _ = generate(model, NO_DRAFTER, prompts, 16, check_drafts=False)
     assert outputs(reqs) == outputs(plain)
     assert max(r.num_preemptions for r in reqs) > 0 and compiled.metrics.num_draft_tokens > 50
+
+
+def test_compiled_sampled_rows_decode_as_eager_ones(model):
+    """Sampled requests (temperature 1, seeded) beside greedy ones, adaptive k's choices at random
+    (:func:`choose_at_random`), the real verifier, over the queue: the compiled engine emits what
+    the eager one does, token for token, sampled rows included (their verify forward runs
+    compiled, their drafting rounds and rejection sampling eagerly, with the same draws)."""
+    prompts = queue_of_prompts(10)
+    params = [SamplingParams(temperature=1.0, seed=i) if i % 3 == 0 else None for i in range(len(prompts))]
+
+    def serve(engine: Engine) -> list[Request]:
+        choose_at_random(engine, seed=4)
+        return run(engine, prompts, 16, params)
+
+    compiled, _ = make_engine(
+        model, AUTO, check_drafts=False, overrides=["engine.compile=true", *QUEUE], **QUEUE_OPTIONS
+    )
+    eager, _ = make_engine(model, AUTO, check_drafts=False, overrides=QUEUE, **QUEUE_OPTIONS)
+    reqs = serve(compiled)
+    assert outputs(reqs) == outputs(serve(eager))
+    assert compiled.metrics.num_draft_tokens > 50 and max(r.num_preemptions for r in reqs) > 0
