@@ -1,14 +1,15 @@
 """The engine's end-to-end correctness checks in compiled mode (``engine.compile=true``), kept
 short: the scenarios of tests/test_engine.py (a queue of requests in batches of 1-4 rows padded
-to bucket 4, shared prefixes, chunked prefill, preemption, every acceptance count) and adaptive
-k's of tests/test_static_step.py (k switching between rounds, shallow rounds deferring deeper
-depths, catch-ups, lags, requests kept to fewer depths beside ones carrying every depth). Compiled greedy output equals eager output and plain decoding token for token, and
-every draft a compiled round made equals the uncached reference (``check_drafts`` would run
-the rounds eagerly, so drafts are recorded and checked afterwards).
+to bucket 4, shared prefixes, chunked prefill, preemption, every acceptance count, sampled rows
+beside greedy ones) and adaptive k's of tests/test_static_step.py (k switching between rounds,
+shallow rounds deferring deeper depths, catch-ups, lags, requests kept to fewer depths beside
+ones carrying every depth). Compiled output equals eager output token for token (greedy output
+also plain decoding's), and every draft a compiled round made equals the uncached reference
+(``check_drafts`` would run the rounds eagerly, so drafts are recorded and checked afterwards).
 
 Compiling is the cost here (on a cold inductor cache about half a minute a graph on 2 cores):
-the two engines share one configuration, and so their graphs (inductor's cache serves the
-second), with one batch bucket. Batch 1 and k > D compiled are tests/test_static_step.py's."""
+every engine here has one configuration and one batch bucket, so inductor's cache serves each
+the first one's graphs. Batch 1 and k > D compiled are tests/test_static_step.py's."""
 
 from __future__ import annotations
 
