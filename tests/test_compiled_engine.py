@@ -14,7 +14,6 @@ the first one's graphs. Batch 1 and k > D compiled are tests/test_static_step.py
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
 
 import pytest
 from torch._dynamo.utils import counters
@@ -32,6 +31,7 @@ from helpers.engine import (  # noqa: F401
     random_accept,
     random_prompts,
     record_proposals,
+    run_to_completion,
     spec_model,
 )
 from inkfw.speculative.adaptive import AdaptiveK
@@ -58,16 +58,6 @@ def queue_of_prompts(seed: int) -> list[list[int]]:
     base = random_prompts(rng, 1, VOCAB, lo=30, hi=30)[0]
     prompts[2], prompts[5] = base + prompts[2][:3], base[:26] + prompts[5][:5]
     return prompts
-
-
-def run(
-    engine: Engine, prompts: Sequence[Sequence[int]], new: int, params: Sequence[SamplingParams | None] = ()
-) -> list[Request]:
-    params = list(params) or [None] * len(prompts)
-    reqs = engine.generate([engine.add_request(p, sp, max_new_tokens=new) for p, sp in zip(prompts, params)])
-    assert all(r.finished and r.finish_reason in ("length", "stop") for r in reqs), [r.error for r in reqs]
-    assert engine.kv.is_whole()
-    return reqs
 
 
 def compiled_functions(engine: Engine) -> set[str]:
@@ -115,7 +105,7 @@ def test_compiled_steps_draft_exactly_at_every_acceptance_count(model):
 
     def serve(engine: Engine) -> list[Request]:
         choose_at_random(engine, seed=19)
-        return run(engine, prompts, 16)
+        return run_to_completion(engine, prompts, 16)
 
     with counted_compiles():
         compiled, _ = make_engine(model, AUTO, check_drafts=False, overrides=["engine.compile=true", *QUEUE], **options)
@@ -142,7 +132,7 @@ def test_compiled_greedy_mtp_equals_plain_decoding(model):
     compiled, _ = make_engine(
         model, AUTO, check_drafts=False, overrides=["engine.compile=true", *QUEUE], **QUEUE_OPTIONS
     )
-    reqs = run(compiled, prompts, 16)
+    reqs = run_to_completion(compiled, prompts, 16)
     plain, _, _ = generate(model, NO_DRAFTER, prompts, 16, check_drafts=False)
     assert outputs(reqs) == outputs(plain)
     assert max(r.num_preemptions for r in reqs) > 0 and compiled.metrics.num_draft_tokens > 50
@@ -158,7 +148,7 @@ def test_compiled_sampled_rows_decode_as_eager_ones(model):
 
     def serve(engine: Engine) -> list[Request]:
         choose_at_random(engine, seed=4)
-        return run(engine, prompts, 16, params)
+        return run_to_completion(engine, prompts, 16, params)
 
     compiled, _ = make_engine(
         model, AUTO, check_drafts=False, overrides=["engine.compile=true", *QUEUE], **QUEUE_OPTIONS

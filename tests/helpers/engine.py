@@ -136,19 +136,29 @@ def generate(
     drafter: Sequence[str],
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int | Sequence[int] = 12,
-    params: SamplingParams | Sequence[SamplingParams] | None = None,
+    params: SamplingParams | Sequence[SamplingParams | None] | None = None,
     **engine_kw,
 ) -> tuple[list[Request], Engine, PagedKVManager]:
-    """Run ``prompts`` to completion in one engine; every request must finish without an error
-    and the KV pool must be whole afterwards."""
+    """Run ``prompts`` to completion in one new engine (:func:`run_to_completion`)."""
     eng, kv = make_engine(model, drafter, **engine_kw)
+    return run_to_completion(eng, prompts, max_new_tokens, params), eng, kv
+
+
+def run_to_completion(
+    engine: Engine,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int | Sequence[int] = 12,
+    params: SamplingParams | Sequence[SamplingParams | None] | None = None,
+) -> list[Request]:
+    """Run ``prompts`` to completion in ``engine``; every request must finish without an error
+    and the KV pool must be whole afterwards."""
     news = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     ps = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
-    reqs = [eng.add_request(p, sp, max_new_tokens=n) for p, sp, n in zip(prompts, ps, news)]
-    eng.generate(reqs)
+    reqs = [engine.add_request(p, sp, max_new_tokens=n) for p, sp, n in zip(prompts, ps, news)]
+    engine.generate(reqs)
     assert all(r.finished and r.finish_reason in ("length", "stop") for r in reqs), [r.error for r in reqs]
-    assert kv.is_whole(), kv.num_free_blocks()
-    return reqs, eng, kv
+    assert engine.kv.is_whole(), engine.kv.num_free_blocks()
+    return reqs
 
 
 def outputs(reqs: Sequence[Request]) -> list[list[int]]:
