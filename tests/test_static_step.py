@@ -6,7 +6,6 @@ the engine as it found it."""
 
 from __future__ import annotations
 
-import contextlib
 import random
 import time
 from collections import Counter
@@ -16,6 +15,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from helpers.cuda_graphs import CaptureError, RecordedCudaGraphs
 from helpers.engine import (  # noqa: F401
     NO_DRAFTER,
     assert_drafts_are_the_reference,
@@ -705,81 +705,65 @@ def test_compiled_steps_check_only_their_inputs_each_call(monkeypatch):
     assert not any(True in k for name, k in kept.items() if "linear" in name and "weight" in name)
 
 
-class _FakeCudaGraphs:
-    """``torch.cuda``'s stream and graph API on the CPU, as CUDA graphs behave: a function run
-    inside ``torch.cuda.graph(g)`` is recorded, not run (the step functions below ask
-    :attr:`capturing`), and ``g.replay()`` runs what was recorded."""
-
-    capturing: Callable[[Callable[[], object]], None] | None = None  # records one launch
-
-    def __init__(self, monkeypatch):
-        fake = self
-
-        class Stream:
-            def wait_stream(self, other):
-                pass
-
-        class Graph:
-            def __init__(self):
-                self.recorded: list[Callable[[], object]] = []
-
-            def replay(self):
-                for run in self.recorded:
-                    run()
-
-        @contextlib.contextmanager
-        def graph(g):
-            fake.capturing = g.recorded.append
-            try:
-                yield
-            finally:
-                fake.capturing = None
-
-        for name, value in {
-            "Stream": Stream,
-            "current_stream": Stream,
-            "stream": lambda s: contextlib.nullcontext(),
-            "CUDAGraph": Graph,
-            "graph": graph,
-            "synchronize": lambda: None,
-        }.items():
-            monkeypatch.setattr(torch.cuda, name, value)
-
-
 def test_a_captured_step_runs_its_in_place_effects_once_per_call(monkeypatch):
     """The step functions update state in place (caches, the drafter's tail, drafts written into
     their ext buffer), so capturing a step must not run it more often than it is called: the
     first call runs it once and captures it, each later call replays it once, and replays
     write their outputs into the graph's own tensors."""
-    cuda = _FakeCudaGraphs(monkeypatch)
+    graphs = RecordedCudaGraphs(monkeypatch)
     state = torch.zeros(3)  # e.g. the drafter's tail: read, then updated in place
-    graph_out = torch.empty(3)
 
     def step(x: torch.Tensor) -> torch.Tensor:  # [3] -> [3]
-        def run() -> torch.Tensor:
-            out = state + x
-            state.copy_(out)
-            return out
-
-        if cuda.capturing is None:
-            return run()
-        cuda.capturing(lambda: graph_out.copy_(run()))  # the graph's kernels write its output tensor
-        return graph_out
+        out = state + x
+        state.copy_(out)
+        return out
 
     fn = StepFunction(step, "test-step", cuda_graphs=True)
     x = torch.ones(3)
     outs = [fn(x).clone() for _ in range(4)]
     assert [o.tolist() for o in outs] == [[float(i)] * 3 for i in range(1, 5)]
     assert state.tolist() == [4.0] * 3  # one update per call
-    assert len(fn._graphs) == 1 and fn.warmup_s > 0.0
-    assert fn(x) is graph_out  # replays hand out the graph's tensors
+    assert len(fn._graphs) == 1 and graphs.captures == 1 and graphs.replays == 3 and fn.warmup_s > 0.0
+    graph_out = fn(x)
+    assert fn(x) is graph_out and graph_out.tolist() == [6.0] * 3  # replays hand out the graph's tensors
+
+
+def test_recorded_graphs_replay_kernels_not_python(monkeypatch):
+    """The CPU stand-in for CUDA graphs that the engine's graph tests run on (helpers.cuda_graphs)
+    has a real graph's semantics: a replay runs what the capture recorded and no Python, so a
+    value read from Python state stays as captured, and an intermediate kept from the capture
+    holds each replay's value; a host read during capture is an error, as on a GPU."""
+    graphs = RecordedCudaGraphs(monkeypatch)
+    calls = [0]
+    kept: list[torch.Tensor] = []
+
+    def step(x: torch.Tensor) -> torch.Tensor:  # [2] -> [2]
+        calls[0] += 1
+        doubled = 2 * x
+        kept.append(doubled)
+        return doubled + calls[0]  # a Python value: baked in at capture
+
+    fn = StepFunction(step, "test-step", cuda_graphs=True)
+    x = torch.zeros(2)
+    assert fn(x).tolist() == [1.0, 1.0]  # the real first run
+    x.fill_(1.0)
+    assert fn(x).tolist() == [4.0, 4.0]  # replayed: 2 * 1 + 2, the count at capture
+    assert calls[0] == 2 and graphs.replays == 1  # no Python ran in the replay
+    x.fill_(5.0)
+    assert fn(x).tolist() == [12.0, 12.0] and kept[-1].tolist() == [10.0, 10.0]
+
+    def reads_back(x: torch.Tensor) -> torch.Tensor:
+        return x * x.sum().item()
+
+    with pytest.raises(CaptureError, match="host"):
+        StepFunction(reads_back, "test-read", cuda_graphs=True)(torch.ones(2))
 
 
 def simulate_cuda_graphs(monkeypatch) -> list[int]:
-    """CUDA-graph semantics on the CPU for every step function: the first call of a shape runs
-    for real and "captures" its inputs; each later call replays the function on those same
-    input tensors and writes its results into the graph's own output tensors, handed out every
-    time (a reader that keeps an output past the next replay sees it overwritten). Returns a
+    """Graph capture and replay counted for *compiled* step functions, whose C++ kernels
+    :class:`RecordedCudaGraphs` cannot record: the first call of a shape runs for real and
+    "captures" its inputs; each later call re-runs the function (Python included) on those same
+    input tensors and writes its results into the graph's own output tensors. Returns a
     one-element list counting the replays."""
     replays = [0]
 
@@ -825,11 +809,11 @@ def test_replayed_steps_overwrite_their_outputs_and_decode_exactly(model, monkey
         return reqs
 
     eager = run(graphs=False)
-    replays = simulate_cuda_graphs(monkeypatch)
+    graphs = RecordedCudaGraphs(monkeypatch)
     replayed = run(graphs=True)
     assert outputs(replayed) == outputs(eager)
     assert [r.num_accepted_tokens for r in replayed] == [r.num_accepted_tokens for r in eager]  # the same drafts
-    assert replays[0] >= 10
+    assert graphs.replays >= 10
 
 
 def test_prompt_chunks_replay_as_graphs_padded_to_width_buckets(model, monkeypatch):
@@ -847,7 +831,7 @@ def test_prompt_chunks_replay_as_graphs_padded_to_width_buckets(model, monkeypat
         return reqs, engine
 
     eager, _ = run(graphs=False)
-    simulate_cuda_graphs(monkeypatch)
+    RecordedCudaGraphs(monkeypatch)
     replayed, engine = run(graphs=True)
     assert outputs(replayed) == outputs(eager)
     assert [r.num_accepted_tokens for r in replayed] == [r.num_accepted_tokens for r in eager]
