@@ -1,10 +1,11 @@
-"""The engine's end-to-end correctness checks in compiled mode (``engine.compile=true``), kept
-short: the scenarios of tests/test_engine.py (a queue of requests in batches of 1-4 rows padded
+"""The engine's end-to-end correctness checks with static steps, compiled (``engine.compile=true``)
+and captured as CUDA graphs (``engine.cuda_graphs``, on the CPU through helpers.cuda_graphs,
+which replays the recorded ops without running Python, as a GPU does), kept short: the scenarios of tests/test_engine.py (a queue of requests in batches of 1-4 rows padded
 to bucket 4, shared prefixes, chunked prefill, preemption, every acceptance count, sampled rows
 beside greedy ones) and adaptive k's of tests/test_static_step.py (k switching between rounds,
 shallow rounds deferring deeper depths, catch-ups, lags, requests kept to fewer depths beside
-ones carrying every depth). Compiled output equals eager output token for token (greedy output
-also plain decoding's), and every draft a compiled round made equals the uncached reference
+ones carrying every depth). Static output equals eager output token for token (greedy output
+also plain decoding's), and every draft a static round made equals the uncached reference
 (``check_drafts`` would run the rounds eagerly, so drafts are recorded and checked afterwards).
 
 Compiling is the cost here (on a cold inductor cache about half a minute a graph on 2 cores):
@@ -18,6 +19,7 @@ import random
 import pytest
 from torch._dynamo.utils import counters
 
+from helpers.cuda_graphs import RecordedCudaGraphs
 from helpers.engine import (  # noqa: F401
     NO_DRAFTER,
     assert_drafts_are_the_reference,
@@ -46,9 +48,26 @@ QUEUE = ["engine.batch_buckets=[4]"]
 QUEUE_OPTIONS = dict(num_blocks=16, max_num_batched_tokens=11, max_num_seqs=4)
 
 
+MODES = ["compiled", "graphs"]
+
+
 @pytest.fixture(scope="module")
 def model():
     return spec_model(seed=0)
+
+
+def static_engine(model, mode: str, monkeypatch, **options) -> tuple[Engine, RecordedCudaGraphs | None]:
+    """An adaptive-k engine over the queue whose steps run compiled (``mode`` "compiled") or as
+    CUDA graphs captured per shape and replayed (``"graphs"``, simulated: the
+    :class:`RecordedCudaGraphs` returned patches ``torch.cuda`` for the test)."""
+    if mode == "compiled":
+        engine, _ = make_engine(model, AUTO, check_drafts=False, overrides=["engine.compile=true", *QUEUE], **options)
+        return engine, None
+    graphs = RecordedCudaGraphs(monkeypatch)
+    engine, _ = make_engine(model, AUTO, check_drafts=False, overrides=QUEUE, **options)
+    for part in parts(engine):  # what engine.cuda_graphs=true sets on a CUDA device
+        part.set_step_mode(cuda_graphs=True)
+    return engine, graphs
 
 
 def queue_of_prompts(seed: int) -> list[list[int]]:
@@ -60,10 +79,12 @@ def queue_of_prompts(seed: int) -> list[list[int]]:
     return prompts
 
 
-def compiled_functions(engine: Engine) -> set[str]:
-    """Names of the engine's step functions that ran compiled (verify, drafting rounds, depths)."""
+def static_functions(engine: Engine) -> set[str]:
+    """Names of the engine's step functions that ran compiled or were captured as CUDA graphs
+    (verify, drafting rounds, depths)."""
     verifier, drafter = parts(engine)
-    return {f.name for f in (*verifier._steps.values(), *drafter._steps.values()) if f.compiled and f.warmup_s > 0}
+    steps = (*verifier._steps.values(), *drafter._steps.values())
+    return {f.name for f in steps if (f.compiled and f.warmup_s > 0) or f._graphs}
 
 
 def choose_at_random(engine: Engine, seed: int) -> None:
@@ -93,13 +114,14 @@ def rounds_of_mixed_depths(engine: Engine) -> list[int]:
     return count
 
 
-def test_compiled_steps_draft_exactly_at_every_acceptance_count(model):
+@pytest.mark.parametrize("mode", MODES)
+def test_static_steps_draft_exactly_at_every_acceptance_count(model, monkeypatch, mode):
     """Adaptive k's choices at random (:func:`choose_at_random`) and a verifier accepting a random
     count 0..k, over the queue: rounds switch k, shallow rounds (k = 1 beside 2 depths) defer
     depth 1 and later rounds catch it up, k = 0 leaves lags drafted over later, rows kept to 1
-    depth draft in one round with carriers of both, and preempted requests start over. Compiled
+    depth draft in one round with carriers of both, and preempted requests start over. Static
     output equals eager output (every draft there checked, ``check_drafts``), every draft of
-    the compiled engine equals the uncached reference, and the pool ends whole."""
+    the static engine equals the uncached reference, and the pool ends whole."""
     prompts = queue_of_prompts(7)
     options = dict(verifier=random_accept(seed=3), **QUEUE_OPTIONS)
 
@@ -108,41 +130,42 @@ def test_compiled_steps_draft_exactly_at_every_acceptance_count(model):
         return run_to_completion(engine, prompts, 16)
 
     with counted_compiles():
-        compiled, _ = make_engine(model, AUTO, check_drafts=False, overrides=["engine.compile=true", *QUEUE], **options)
-        proposals = record_proposals(parts(compiled)[1])
-        mixed = rounds_of_mixed_depths(compiled)
-        reqs = serve(compiled)
+        engine, graphs = static_engine(model, mode, monkeypatch, **options)
+        proposals = record_proposals(parts(engine)[1])
+        mixed = rounds_of_mixed_depths(engine)
+        reqs = serve(engine)
         breaks = dict(counters["graph_break"])
     eager, _ = make_engine(model, AUTO, overrides=QUEUE, **options)  # check_drafts on
     assert outputs(reqs) == outputs(serve(eager))
-    assert_drafts_are_the_reference(model, proposals, parts(compiled)[1])
+    assert_drafts_are_the_reference(model, proposals, parts(engine)[1])
     assert max(r.num_preemptions for r in reqs) > 0
-    assert {a for _, _, n, a, _ in compiled.verifier.history if n == 2} == {0, 1, 2}  # type: ignore[attr-defined]
-    assert {0, 1, 2} <= set(compiled.depths_admitted) and compiled.k_chosen[0] > 0
-    assert {"verify", "draft-round-k2", "draft-round-k1-shallow"} <= compiled_functions(compiled)
+    assert {a for _, _, n, a, _ in engine.verifier.history if n == 2} == {0, 1, 2}  # type: ignore[attr-defined]
+    assert {0, 1, 2} <= set(engine.depths_admitted) and engine.k_chosen[0] > 0
+    assert {"verify", "draft-round-k2", "draft-round-k1-shallow"} <= static_functions(engine)
     static = sum(is_static for _, drafts, is_static in proposals if drafts)
     caught_up = [drafts for _, drafts, is_static in proposals if not is_static and len(drafts) == 2]
     assert static >= 30 and caught_up and mixed[0] > 0 and breaks == {}
+    assert graphs is None or graphs.replays >= static
 
 
-def test_compiled_greedy_mtp_equals_plain_decoding(model):
-    """The real greedy verifier and adaptive k's own choices, compiled, over the queue: token for
-    token what eager plain decoding emits."""
+@pytest.mark.parametrize("mode", MODES)
+def test_static_greedy_mtp_equals_plain_decoding(model, monkeypatch, mode):
+    """The real greedy verifier and adaptive k's own choices, static steps, over the queue: token
+    for token what eager plain decoding emits."""
     prompts = queue_of_prompts(8)
-    compiled, _ = make_engine(
-        model, AUTO, check_drafts=False, overrides=["engine.compile=true", *QUEUE], **QUEUE_OPTIONS
-    )
-    reqs = run_to_completion(compiled, prompts, 16)
+    engine, _ = static_engine(model, mode, monkeypatch, **QUEUE_OPTIONS)
+    reqs = run_to_completion(engine, prompts, 16)
     plain, _, _ = generate(model, NO_DRAFTER, prompts, 16, check_drafts=False)
     assert outputs(reqs) == outputs(plain)
-    assert max(r.num_preemptions for r in reqs) > 0 and compiled.metrics.num_draft_tokens > 50
+    assert max(r.num_preemptions for r in reqs) > 0 and engine.metrics.num_draft_tokens > 50
 
 
-def test_compiled_sampled_rows_decode_as_eager_ones(model):
+@pytest.mark.parametrize("mode", MODES)
+def test_static_sampled_rows_decode_as_eager_ones(model, monkeypatch, mode):
     """Sampled requests (temperature 1, seeded) beside greedy ones, adaptive k's choices at random
-    (:func:`choose_at_random`), the real verifier, over the queue: the compiled engine emits what
+    (:func:`choose_at_random`), the real verifier, over the queue: the static engine emits what
     the eager one does, token for token, sampled rows included (their verify forward runs
-    compiled, their drafting rounds and rejection sampling eagerly, with the same draws)."""
+    static, their drafting rounds and rejection sampling eagerly, with the same draws)."""
     prompts = queue_of_prompts(10)
     params = [SamplingParams(temperature=1.0, seed=i) if i % 3 == 0 else None for i in range(len(prompts))]
 
@@ -150,10 +173,8 @@ def test_compiled_sampled_rows_decode_as_eager_ones(model):
         choose_at_random(engine, seed=4)
         return run_to_completion(engine, prompts, 16, params)
 
-    compiled, _ = make_engine(
-        model, AUTO, check_drafts=False, overrides=["engine.compile=true", *QUEUE], **QUEUE_OPTIONS
-    )
+    engine, _ = static_engine(model, mode, monkeypatch, **QUEUE_OPTIONS)
     eager, _ = make_engine(model, AUTO, check_drafts=False, overrides=QUEUE, **QUEUE_OPTIONS)
-    reqs = serve(compiled)
+    reqs = serve(engine)
     assert outputs(reqs) == outputs(serve(eager))
-    assert compiled.metrics.num_draft_tokens > 50 and max(r.num_preemptions for r in reqs) > 0
+    assert engine.metrics.num_draft_tokens > 50 and max(r.num_preemptions for r in reqs) > 0
