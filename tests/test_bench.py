@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from helpers.bench import bench_cfg, restore_threads  # noqa: F401
+from helpers.cuda_graphs import RecordedCudaGraphs
 from inkfw.bench import run_bench
 from inkfw.bench.exactness import ExactnessCheck, differing_requests, first_difference
 from inkfw.bench.hf_baseline import HfBaseline
@@ -504,10 +505,14 @@ def test_engines_warm_up_every_bucket_their_batches_pass_through(monkeypatch):
     assert all(r["warmup_s"] > 0 for r in report["results"])
 
 
-def test_gpu_preset_runs_on_a_cpu_with_a_tiny_override(tmp_path):
+def test_gpu_preset_runs_on_a_cpu_with_a_tiny_override(tmp_path, monkeypatch):
+    """The GPU check's own runs (eager and CUDA graphs, plain and k = 8, batch 1 and 16, HF) on
+    the CPU, its graphs through the CPU stand-in that replays recorded ops without Python
+    (helpers.cuda_graphs): every run exact, each graph-captured step reading back at most one
+    tensor."""
+    graphs = RecordedCudaGraphs(monkeypatch)
     cfg = bench_cfg(
         "device=cpu",
-        "modes=[eager]",
         "num_prompts=2",
         "max_new_tokens=3",
         "warmup_tokens=0",
@@ -526,14 +531,13 @@ def test_gpu_preset_runs_on_a_cpu_with_a_tiny_override(tmp_path):
     assert names == [
         "hf generate",
         "hf generate(use_mtp)",
-        "eager none b1",
-        "eager mtp k=8 b1",
-        "eager none b16",
-        "eager mtp k=8 b16",
+        *[f"{mode} {run} b{b}" for b in (1, 16) for mode in ("eager", "graphs") for run in ("none", "mtp k=8")],
     ]
-    assert [r["tokens"] for r in report["results"]] == [2 * 3, 2 * 3, 2 * 3, 2 * 3, 16 * 3, 16 * 3]
-    assert report["exactness"]["ok"] and report["exactness"]["runs_compared"] == 2
-    assert report["config"]["modes"] == ["eager"] and (tmp_path / "bench.json").is_file()
+    assert [r["tokens"] for r in report["results"]] == [2 * 3] * 6 + [16 * 3] * 4
+    assert report["exactness"]["ok"] and report["exactness"]["runs_compared"] == 6
+    assert report["config"]["modes"] == ["eager", "graphs"] and (tmp_path / "bench.json").is_file()
+    captured = [r for r in report["results"] if r["name"].startswith("graphs")]
+    assert graphs.replays > 0 and all(r["host_reads_per_step"] <= 1 for r in captured)
 
 
 @pytest.mark.parametrize(

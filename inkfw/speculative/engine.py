@@ -49,7 +49,7 @@ from inkfw.speculative.metrics import SpecMetrics
 from inkfw.speculative.observers import EngineObserver, ForwardClock
 from inkfw.speculative.reference import reference_draft_logits
 from inkfw.speculative.sampling import Sampler, SamplingParams
-from inkfw.speculative.step import DEFAULT_BUCKETS, bucket_for
+from inkfw.speculative.step import DEFAULT_BUCKETS, bucket_for, captures_cuda_graphs
 
 LAG_LIMIT = 32  # positions a request's drafter may fall behind while adaptive k chooses 0 (then it stops)
 
@@ -222,9 +222,9 @@ class Engine:
         self._draft_probs: torch.Tensor | None = None  # [slots + 1, k, V], once a request samples
         if hasattr(drafter, "reserve"):
             drafter.reserve(slots)  # type: ignore[attr-defined]
-        cuda = self.device.type == "cuda"
-        graphs = self.config.cuda_graphs if self.config.cuda_graphs is not None else cuda
-        if graphs and not cuda:
+        on_cuda = self.device.type == "cuda"
+        graphs = self.config.cuda_graphs if self.config.cuda_graphs is not None else on_cuda
+        if graphs and not captures_cuda_graphs(self.device):
             raise ConfigError("engine.cuda_graphs=true needs the model on a CUDA device.")
         if self.config.pad_batches is False and (self.config.compile or graphs):
             raise ConfigError(

@@ -42,6 +42,12 @@ def bucket_for(n: int, buckets: Sequence[int]) -> int:
     return n
 
 
+def captures_cuda_graphs(device: torch.device) -> bool:
+    """Whether step functions on ``device`` can be captured as CUDA graphs (``engine.cuda_graphs``;
+    the tests' CPU stand-in for them, tests/helpers/cuda_graphs.py, says yes for the CPU)."""
+    return device.type == "cuda"
+
+
 @functools.cache
 def _cpp_scheduling() -> Any:
     """Inductor's CPU scheduling class where it has the outer-loop fusion hook patched below."""

@@ -12,6 +12,7 @@ intermediate and output lives at a fixed address that each replay overwrites; an
 * ``with torch.cuda.graph(g):`` runs the function under a dispatch mode that records every aten
   op with its arguments (the capture-time tensors themselves) and refuses host reads and tensors
   made from host data. The capture run's writes are undone on exit (a real capture runs nothing).
+* ``engine.cuda_graphs=true`` is accepted on the CPU.
 * ``g.replay()`` re-runs the recorded ops in order on those same tensors, writing each op's
   result into the tensor the capture produced, so later ops, the graph's outputs and anything
   Python kept from the capture all see the replay's values, and nothing in Python runs.
@@ -30,6 +31,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+import inkfw.speculative.engine as engine_module
 
 aten = torch.ops.aten
 
@@ -131,6 +134,7 @@ class RecordedCudaGraphs:
             g.ops = recorder.ops
             sim.captures += 1
 
+        monkeypatch.setattr(engine_module, "captures_cuda_graphs", lambda device: True)  # engine.cuda_graphs=true here
         for name, value in {
             "Stream": Stream,
             "current_stream": Stream,
