@@ -17,6 +17,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
+from helpers.cuda_graphs import RecordedCudaGraphs
 from inkfw.llm import LLM, SamplingParams
 from inkfw.server.app import create_app
 from inkfw.server.chat import plain_chat_prompt
@@ -388,3 +389,35 @@ def test_serve_warms_up_before_it_listens(monkeypatch, capsys):
     assert engine.metrics.num_steps == 0 and re.search(
         r"warmed up in \d+\.\d s \(adaptive k's step costs measured;", said
     )
+
+
+def test_concurrent_streams_served_from_cuda_graphs_are_exact(monkeypatch, reference):
+    """On a GPU the server replays its steps as CUDA graphs (``engine.cuda_graphs``, on there by
+    default): here through the CPU stand-in that replays recorded ops without Python
+    (helpers.cuda_graphs). Greedy streams arriving together, batched in buckets as they come and
+    go, emit exactly the offline eager engine's tokens."""
+    graphs = RecordedCudaGraphs(monkeypatch)
+    captured = LLM(model="checkpoints/inkling-tiny", mtp_depths=8, engine={"cuda_graphs": True})
+    assert captured.engine.cuda_graphs
+    jobs = [(PROMPTS[i % len(PROMPTS)], LENGTHS[i % len(LENGTHS)]) for i in range(8)]
+    with serve_in_thread(create_app(captured)) as url:
+
+        async def run_all():
+            async with AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+                return await asyncio.gather(
+                    *(
+                        client.completions.create(
+                            model=MODEL, prompt=p, max_tokens=n, temperature=0, extra_body={"return_token_ids": True}
+                        )
+                        for p, n in jobs
+                    )
+                )
+
+        results = asyncio.run(run_all())
+    for (prompt, n), result in zip(jobs, results):
+        choice = result.choices[0]
+        assert (choice.text, choice.model_extra["token_ids"]) == (
+            reference[prompt, n].text,
+            reference[prompt, n].token_ids,
+        )
+    assert graphs.replays > 0 and captured.engine.kv.is_whole()
