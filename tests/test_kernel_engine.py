@@ -13,7 +13,19 @@ from collections import Counter
 
 import pytest
 
-from helpers.engine import NO_DRAFTER, generate, make_engine, mtp, one_thread, outputs, spec_model  # noqa: F401
+from helpers.cuda_graphs import RecordedCudaGraphs
+from helpers.engine import (  # noqa: F401
+    NO_DRAFTER,
+    assert_drafts_are_the_reference,
+    generate,
+    make_engine,
+    mtp,
+    one_thread,
+    outputs,
+    parts,
+    record_proposals,
+    spec_model,
+)
 from inkfw.errors import ConfigError
 from inkfw.kernels import OPS, Kernels, check_backend, implementation, resolve_backend
 from inkfw.speculative.sampling import SamplingParams
@@ -70,6 +82,28 @@ def test_triton_backend_greedy_equals_torch(model, drafter):
     if drafter != NO_DRAFTER:
         fused |= {"prepare_draft_spans", "mtp_depth_input"}
     assert fused <= {op for op, n in calls.items() if n > 0}, calls
+
+
+def test_triton_kernels_replayed_in_cuda_graphs_equal_torch(model, monkeypatch):
+    """On a GPU the Triton kernels run inside captured CUDA graphs (``engine.cuda_graphs``, on
+    there by default). Through the CPU stand-in (helpers.cuda_graphs: a capture records each
+    kernel launch, a replay re-launches them without running the step's Python), the Triton
+    engine's replayed steps emit the torch backend's eager tokens, every draft equals the
+    uncached reference, and the fused kernels ran as recorded launches (k > D: the drafter's
+    decode steps too; plain decoding's steps are the verify's, with no drafts)."""
+    graphs, drafter = RecordedCudaGraphs(monkeypatch), mtp(2, 3)
+    prompts = prompts_of(4, 2)  # Triton's interpreter runs each launch in Python: kept small
+    engine, kv = make_engine(model, drafter, check_drafts=False, overrides=["kernels.backend=triton"], max_num_seqs=2)
+    for part in parts(engine):  # what engine.cuda_graphs=true sets on a CUDA device
+        part.set_step_mode(cuda_graphs=True)
+    proposals = record_proposals(parts(engine)[1])
+    reqs = [engine.add_request(p, max_new_tokens=7) for p in prompts]
+    engine.generate(reqs)
+    theirs, _ = run(model, drafter, prompts, "torch")
+    assert outputs(reqs) == theirs and kv.is_whole()
+    assert_drafts_are_the_reference(model, proposals, parts(engine)[1])
+    fused = {"paged_span_attention", "cached_short_conv", "greedy_accept", "prepare_draft_spans", "mtp_depth_input"}
+    assert graphs.replays >= 5 and {f"{op}_triton" for op in fused} <= set(graphs.launches), graphs.launches
 
 
 def test_triton_backend_sampled_equals_torch(model):

@@ -12,10 +12,14 @@ intermediate and output lives at a fixed address that each replay overwrites; an
 * ``with torch.cuda.graph(g):`` runs the function under a dispatch mode that records every aten
   op with its arguments (the capture-time tensors themselves) and refuses host reads and tensors
   made from host data. The capture run's writes are undone on exit (a real capture runs nothing).
+* A Triton kernel (``kernels.backend=triton``, run by Triton's interpreter on the CPU) is
+  recorded as one launch: its ``inkfw.kernels`` function with its arguments, as a graph records
+  the kernels it launches (the interpreter's own copies to and from the host stay out of the
+  record). Its tensor arguments' storages are kept for undo, as any of them may be written.
 * ``engine.cuda_graphs=true`` is accepted on the CPU.
-* ``g.replay()`` re-runs the recorded ops in order on those same tensors, writing each op's
-  result into the tensor the capture produced, so later ops, the graph's outputs and anything
-  Python kept from the capture all see the replay's values, and nothing in Python runs.
+* ``g.replay()`` re-runs the recorded ops and launches in order on those same tensors, writing
+  each one's result into the tensor the capture produced, so later ops, the graph's outputs and
+  anything Python kept from the capture all see the replay's values, and no step's Python runs.
 
 So a step function that is only correct because Python re-runs it fails here as on a GPU; the
 older simulation (re-running the function on each replay) could not see that. Eager functions
@@ -24,14 +28,17 @@ only: a compiled function's C++ kernels bypass the dispatcher.
 
 from __future__ import annotations
 
+import collections
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
+import inkfw.kernels as kernels_module
 import inkfw.speculative.engine as engine_module
 
 aten = torch.ops.aten
@@ -49,6 +56,24 @@ class CaptureError(AssertionError):
     """A step function did something during capture that a CUDA graph cannot record."""
 
 
+def _refuse(name: str, func: Any, args: tuple) -> None:
+    scalar = func is aten.lift_fresh.default and args[0].dim() == 0  # t[i] = 1.0: a scalar kernel argument
+    if func in NOT_CAPTURABLE and not scalar:
+        raise CaptureError(f"{name}: {func} {NOT_CAPTURABLE[func]} inside a captured step")
+
+
+class _Refusing(TorchDispatchMode):
+    """Runs ops, refusing what a capture cannot contain (:data:`NOT_CAPTURABLE`)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        _refuse(self.name, func, args)
+        return func(*args, **(kwargs or {}))
+
+
 class _Recorder(TorchDispatchMode):
     """Records each aten op of a capture; snapshots each storage an op writes, first time, so
     the capture's effects can be undone."""
@@ -61,9 +86,7 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        scalar = func is aten.lift_fresh.default and args[0].dim() == 0  # t[i] = 1.0: a scalar kernel argument
-        if func in NOT_CAPTURABLE and not scalar:
-            raise CaptureError(f"{self.name}: {func} {NOT_CAPTURABLE[func]} inside a captured step")
+        _refuse(self.name, func, args)
         for schema, value in self._arguments(func, args, kwargs):
             if schema.alias_info is not None and schema.alias_info.is_write:
                 for t in tree_flatten(value)[0]:
@@ -80,6 +103,17 @@ class _Recorder(TorchDispatchMode):
         for name, value in kwargs.items():
             if name in by_name:
                 yield by_name[name], value
+
+    def launch(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Run and record one kernel launch (``fn``: an ``inkfw.kernels`` Triton function)."""
+        with _disable_current_modes():  # the snapshots' copies and the interpreter's stay unrecorded
+            for t in tree_flatten((args, kwargs))[0]:
+                if isinstance(t, torch.Tensor):
+                    self._snapshot(t)
+            with _Refusing(f"{self.name}: {getattr(fn, '__name__', fn)}"):  # host reads in its launch code
+                out = fn(*args, **kwargs)
+        self.ops.append((fn, args, kwargs, out))
+        return out
 
     def _snapshot(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
@@ -98,12 +132,15 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class RecordedCudaGraphs:
-    """Patches ``torch.cuda`` (see the module docstring) for the life of ``monkeypatch``.
-    ``replays`` counts graph replays; ``captures`` counts captures."""
+    """Patches ``torch.cuda`` and ``inkfw.kernels`` (see the module docstring) for the life of
+    ``monkeypatch``; build engines after it. ``replays`` counts graph replays, ``captures``
+    captures, ``launches`` the Triton launches recorded in them by function name."""
 
     def __init__(self, monkeypatch) -> None:
         self.replays = 0
         self.captures = 0
+        self.recorder: _Recorder | None = None  # while a capture runs
+        self.launches: collections.Counter[str] = collections.Counter()  # Triton launches recorded, by function
         sim = self
 
         class Stream:
@@ -125,14 +162,33 @@ class RecordedCudaGraphs:
 
         @contextlib.contextmanager
         def graph(g: Graph) -> Iterator[None]:
-            recorder = _Recorder("captured step")
+            sim.recorder = recorder = _Recorder("captured step")
             try:
                 with recorder:
                     yield
             finally:
+                sim.recorder = None
                 recorder.undo()
             g.ops = recorder.ops
             sim.captures += 1
+
+        implementation = kernels_module.implementation
+
+        def recorded_implementation(op: str, backend: str) -> Callable[..., Any]:
+            fn = implementation(op, backend)
+            if backend != "triton":
+                return fn
+
+            @functools.wraps(fn)
+            def launch(*args: Any, **kwargs: Any) -> Any:
+                if sim.recorder is None:
+                    return fn(*args, **kwargs)
+                sim.launches[fn.__name__] += 1
+                return sim.recorder.launch(fn, args, kwargs)
+
+            return launch
+
+        monkeypatch.setattr(kernels_module, "implementation", recorded_implementation)
 
         monkeypatch.setattr(engine_module, "captures_cuda_graphs", lambda device: True)  # engine.cuda_graphs=true here
         for name, value in {
