@@ -1,16 +1,18 @@
 """The engine's end-to-end correctness checks with static steps, compiled (``engine.compile=true``)
 and captured as CUDA graphs (``engine.cuda_graphs``, on the CPU through helpers.cuda_graphs,
-which replays the recorded ops without running Python, as a GPU does), kept short: the scenarios of tests/test_engine.py (a queue of requests in batches of 1-4 rows padded
-to bucket 4, shared prefixes, chunked prefill, preemption, every acceptance count, sampled rows
-beside greedy ones) and adaptive k's of tests/test_static_step.py (k switching between rounds,
+which replays the recorded ops without running Python, as a GPU does), kept short: the
+scenarios of tests/test_engine.py (a queue of requests in batches of 1-4 rows padded to bucket
+4, shared prefixes, chunked prefill, preemption, every acceptance count, sampled rows beside
+greedy ones, k > D), and adaptive k's of tests/test_static_step.py (k switching between rounds,
 shallow rounds deferring deeper depths, catch-ups, lags, requests kept to fewer depths beside
 ones carrying every depth). Static output equals eager output token for token (greedy output
 also plain decoding's), and every draft a static round made equals the uncached reference
 (``check_drafts`` would run the rounds eagerly, so drafts are recorded and checked afterwards).
 
 Compiling is the cost here (on a cold inductor cache about half a minute a graph on 2 cores):
-every engine here has one configuration and one batch bucket, so inductor's cache serves each
-the first one's graphs. Batch 1 and k > D compiled are tests/test_static_step.py's."""
+the adaptive-k engines here share one configuration and one batch bucket, so inductor's cache
+serves each the first one's graphs; the k > D engine compiles two of its own. Batch 1 compiled
+is tests/test_static_step.py's."""
 
 from __future__ import annotations
 
@@ -56,15 +58,20 @@ def model():
     return spec_model(seed=0)
 
 
-def static_engine(model, mode: str, monkeypatch, **options) -> tuple[Engine, RecordedCudaGraphs | None]:
-    """An adaptive-k engine over the queue whose steps run compiled (``mode`` "compiled") or as
-    CUDA graphs captured per shape and replayed (``"graphs"``, simulated: the
-    :class:`RecordedCudaGraphs` returned patches ``torch.cuda`` for the test)."""
+def static_engine(
+    model, mode: str, monkeypatch, drafter: list[str] = AUTO, **options
+) -> tuple[Engine, RecordedCudaGraphs | None]:
+    """An engine over the queue (adaptive k unless ``drafter`` says otherwise) whose steps run
+    compiled (``mode`` "compiled") or as CUDA graphs captured per shape and replayed
+    (``"graphs"``, simulated: the :class:`RecordedCudaGraphs` returned patches ``torch.cuda``
+    for the test)."""
     if mode == "compiled":
-        engine, _ = make_engine(model, AUTO, check_drafts=False, overrides=["engine.compile=true", *QUEUE], **options)
+        engine, _ = make_engine(
+            model, drafter, check_drafts=False, overrides=["engine.compile=true", *QUEUE], **options
+        )
         return engine, None
     graphs = RecordedCudaGraphs(monkeypatch)
-    engine, _ = make_engine(model, AUTO, check_drafts=False, overrides=QUEUE, **options)
+    engine, _ = make_engine(model, drafter, check_drafts=False, overrides=QUEUE, **options)
     for part in parts(engine):  # what engine.cuda_graphs=true sets on a CUDA device
         part.set_step_mode(cuda_graphs=True)
     return engine, graphs
@@ -178,3 +185,22 @@ def test_static_sampled_rows_decode_as_eager_ones(model, monkeypatch, mode):
     reqs = serve(engine)
     assert outputs(reqs) == outputs(serve(eager))
     assert engine.metrics.num_draft_tokens > 50 and max(r.num_preemptions for r in reqs) > 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_static_decode_steps_past_the_depths_draft_exactly(model, monkeypatch, mode):
+    """Fixed k = 3 > D = 2 over the queue, a verifier accepting a random count: every round ends
+    with a decode step (depth 0 again, one position past the span) in rows of a batch padded to
+    bucket 4. Static output equals eager output (every draft there checked), every static draft
+    equals the uncached reference, and every acceptance count 0..3 occurred."""
+    prompts = queue_of_prompts(11)
+    options = dict(verifier=random_accept(seed=5), **QUEUE_OPTIONS)
+    engine, _ = static_engine(model, mode, monkeypatch, mtp(2, 3), **options)
+    proposals = record_proposals(parts(engine)[1])
+    reqs = run_to_completion(engine, prompts, 16)
+    eager, _ = make_engine(model, mtp(2, 3), overrides=QUEUE, **options)  # check_drafts on
+    assert outputs(reqs) == outputs(run_to_completion(eager, prompts, 16))
+    assert_drafts_are_the_reference(model, proposals, parts(engine)[1])
+    assert {a for _, _, n, a, _ in engine.verifier.history if n == 3} == {0, 1, 2, 3}  # type: ignore[attr-defined]
+    assert sum(is_static and len(drafts) == 3 for _, drafts, is_static in proposals) >= 20
+    assert {"verify", "draft-round-k3"} <= static_functions(engine)
