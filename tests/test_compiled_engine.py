@@ -17,12 +17,14 @@ is tests/test_static_step.py's."""
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 import pytest
 from torch._dynamo.utils import counters
 
 from helpers.cuda_graphs import RecordedCudaGraphs
 from helpers.engine import (  # noqa: F401
+    AUTO,
     NO_DRAFTER,
     assert_drafts_are_the_reference,
     counted_compiles,
@@ -38,12 +40,11 @@ from helpers.engine import (  # noqa: F401
     run_to_completion,
     spec_model,
 )
+from helpers.engine import SPEC_VOCAB as VOCAB
 from inkfw.speculative.adaptive import AdaptiveK
 from inkfw.speculative.engine import Engine, Request
 from inkfw.speculative.sampling import SamplingParams
 
-VOCAB = 120  # logits vocabulary of spec_model()
-AUTO = ["drafter=mtp", "mtp.depths=2", "spec.num_tokens=auto"]  # adaptive k, k_max = D = 2
 # a queue of eight requests through four slots, every batch padded to bucket 4, chunked prefill
 # (11 tokens a step), prefix-cache hits and preemption (16 blocks of 4 positions)
 QUEUE = ["engine.batch_buckets=[4]"]
@@ -59,21 +60,15 @@ def model():
 
 
 def static_engine(
-    model, mode: str, monkeypatch, drafter: list[str] = AUTO, **options
+    model, mode: str, monkeypatch, drafter: Sequence[str] = AUTO, **options
 ) -> tuple[Engine, RecordedCudaGraphs | None]:
     """An engine over the queue (adaptive k unless ``drafter`` says otherwise) whose steps run
     compiled (``mode`` "compiled") or as CUDA graphs captured per shape and replayed
     (``"graphs"``, simulated: the :class:`RecordedCudaGraphs` returned patches ``torch.cuda``
     for the test)."""
-    if mode == "compiled":
-        engine, _ = make_engine(
-            model, drafter, check_drafts=False, overrides=["engine.compile=true", *QUEUE], **options
-        )
-        return engine, None
-    graphs = RecordedCudaGraphs(monkeypatch)
-    engine, _ = make_engine(model, drafter, check_drafts=False, overrides=QUEUE, **options)
-    for part in parts(engine):  # what engine.cuda_graphs=true sets on a CUDA device
-        part.set_step_mode(cuda_graphs=True)
+    graphs = RecordedCudaGraphs(monkeypatch) if mode == "graphs" else None
+    static = "engine.compile=true" if mode == "compiled" else "engine.cuda_graphs=true"
+    engine, _ = make_engine(model, drafter, check_drafts=False, overrides=[static, *QUEUE], **options)
     return engine, graphs
 
 

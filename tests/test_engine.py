@@ -28,13 +28,12 @@ from helpers.engine import (  # noqa: F401
     spec_model,
     uncached_greedy,
 )
+from helpers.engine import SPEC_VOCAB as VOCAB
 from inkfw.errors import ConfigError
 from inkfw.speculative.engine import DraftCheckError
 from inkfw.speculative.interfaces import FinishReason, RequestStatus
 from inkfw.speculative.observers import EngineObserver
 from inkfw.speculative.sampling import SamplingParams
-
-VOCAB = 120  # logits vocabulary of spec_model()
 
 
 @pytest.fixture(scope="module")

@@ -26,13 +26,12 @@ from helpers.engine import (  # noqa: F401
     record_proposals,
     spec_model,
 )
+from helpers.engine import SPEC_VOCAB as VOCAB
 from inkfw.errors import ConfigError
 from inkfw.kernels import OPS, Kernels, check_backend, implementation, resolve_backend
 from inkfw.speculative.sampling import SamplingParams
 
 pytestmark = pytest.mark.kernel
-
-VOCAB = 120  # logits vocabulary of spec_model()
 
 
 @pytest.fixture(scope="module")
@@ -93,9 +92,13 @@ def test_triton_kernels_replayed_in_cuda_graphs_equal_torch(model, monkeypatch):
     decode steps too; plain decoding's steps are the verify's, with no drafts)."""
     graphs, drafter = RecordedCudaGraphs(monkeypatch), mtp(2, 3)
     prompts = prompts_of(4, 2)  # Triton's interpreter runs each launch in Python: kept small
-    engine, kv = make_engine(model, drafter, check_drafts=False, overrides=["kernels.backend=triton"], max_num_seqs=2)
-    for part in parts(engine):  # what engine.cuda_graphs=true sets on a CUDA device
-        part.set_step_mode(cuda_graphs=True)
+    engine, kv = make_engine(
+        model,
+        drafter,
+        check_drafts=False,
+        overrides=["kernels.backend=triton", "engine.cuda_graphs=true"],
+        max_num_seqs=2,
+    )
     proposals = record_proposals(parts(engine)[1])
     reqs = [engine.add_request(p, max_new_tokens=7) for p in prompts]
     engine.generate(reqs)

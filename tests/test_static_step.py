@@ -17,6 +17,7 @@ from torch._dynamo.utils import counters
 
 from helpers.cuda_graphs import CaptureError, RecordedCudaGraphs
 from helpers.engine import (  # noqa: F401
+    AUTO,
     NO_DRAFTER,
     assert_drafts_are_the_reference,
     counted_compiles,
@@ -30,6 +31,7 @@ from helpers.engine import (  # noqa: F401
     slow_first_calls,
     spec_model,
 )
+from helpers.engine import SPEC_VOCAB as VOCAB
 from helpers.engine import make_engine as make_any_engine
 from inkfw.errors import ConfigError
 from inkfw.models.inkling.layers import MoE
@@ -45,9 +47,6 @@ from inkfw.speculative.step import (
     cpu_outer_loop_fusion_off,
     inductor_config_patches,
 )
-
-VOCAB = 120  # logits vocabulary of spec_model()
-AUTO = ["drafter=mtp", "mtp.depths=2", "spec.num_tokens=auto"]  # adaptive k, k_max = D = 2
 
 
 def make_engine(model, drafter: Sequence[str], **kwargs):
@@ -798,12 +797,16 @@ def test_replayed_steps_overwrite_their_outputs_and_decode_exactly(model, monkey
     prompts = prompts_of(40 + batch, batch, lo=6, hi=14)
 
     def run(graphs: bool) -> list[Request]:
-        engine, kv = make_engine(model, drafter, check_drafts=False, max_num_seqs=batch)
+        engine, kv = make_engine(
+            model,
+            drafter,
+            check_drafts=False,
+            max_num_seqs=batch,
+            overrides=[f"engine.cuda_graphs={str(graphs).lower()}"],
+        )
         if drafter is RANDOM_K:
             rng = random.Random(batch)
             engine._round_k = lambda bucket, share, probe, request=None: rng.choice([1, 1, 2, 3, 4])  # type: ignore[method-assign]
-        for part in parts(engine) if graphs else ():
-            part.set_step_mode(cuda_graphs=True)
         reqs = engine.generate([engine.add_request(p, max_new_tokens=20) for p in prompts])
         assert kv.is_whole()
         return reqs
@@ -823,9 +826,14 @@ def test_prompt_chunks_replay_as_graphs_padded_to_width_buckets(model, monkeypat
     prompts = [*prompts_of(8, 1, lo=40, hi=40), *prompts_of(7, 2, lo=5, hi=9)]  # 40 tokens: chunks of 32 and 7
 
     def run(graphs: bool) -> tuple[list[Request], Engine]:
-        engine, kv = make_engine(model, mtp(2, 3), check_drafts=False, max_num_seqs=3, max_num_batched_tokens=32)
-        for part in parts(engine) if graphs else ():
-            part.set_step_mode(cuda_graphs=True)
+        engine, kv = make_engine(
+            model,
+            mtp(2, 3),
+            check_drafts=False,
+            max_num_seqs=3,
+            max_num_batched_tokens=32,
+            overrides=[f"engine.cuda_graphs={str(graphs).lower()}"],
+        )
         reqs = engine.generate([engine.add_request(p, max_new_tokens=12) for p in prompts])
         assert kv.is_whole()
         return reqs, engine

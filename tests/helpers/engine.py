@@ -42,11 +42,14 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+SPEC_VOCAB = 120  # logits vocabulary of spec_model() (token ids 0 .. SPEC_VOCAB - 1)
+
+
 def spec_config(**overrides):
     """4 layers (local 0 and 2, global 1 and 3), window 16, 4 MTP depths (local 0 and 2)."""
     base = dict(
         vocab_size=128,
-        unpadded_vocab_size=120,
+        unpadded_vocab_size=SPEC_VOCAB,
         sliding_window=WINDOW,
         rel_extent=32,
         local_layer_ids=[0, 2],
@@ -71,9 +74,12 @@ def random_prompts(rng: random.Random, n: int, vocab: int, lo: int = 1, hi: int 
 NO_DRAFTER = ["drafter=none"]
 
 
-def mtp(depths: int, num_tokens: int) -> list[str]:
-    """Overrides for multi-depth MTP drafting: D = ``depths``, k = ``num_tokens``."""
+def mtp(depths: int, num_tokens: int | str) -> list[str]:
+    """Overrides for multi-depth MTP drafting: D = ``depths``, k = ``num_tokens`` (or "auto")."""
     return ["drafter=mtp", f"mtp.depths={depths}", f"spec.num_tokens={num_tokens}"]
+
+
+AUTO = mtp(2, "auto")  # adaptive k, k_max = D = 2
 
 
 def ngram(num_tokens: int) -> list[str]:
