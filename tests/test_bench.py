@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -538,6 +539,24 @@ def test_gpu_preset_runs_on_a_cpu_with_a_tiny_override(tmp_path, monkeypatch):
     assert report["config"]["modes"] == ["eager", "graphs"] and (tmp_path / "bench.json").is_file()
     captured = [r for r in report["results"] if r["name"].startswith("graphs")]
     assert graphs.replays > 0 and all(r["host_reads_per_step"] <= 1 for r in captured)
+
+
+def test_gpu_session_stages_parse_and_refuse_to_run_off_the_gpu(tmp_path):
+    """scripts/gpu_session.sh, the GPU check in one device call: every stage's overrides parse
+    and pass the benchmark's own option check (a typo would cost a lent GPU's minutes), and
+    `device` refuses with one line, exit 2, where there is no $OUT or no GPU."""
+    script = str(ROOT / "scripts" / "gpu_session.sh")
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "PYTHON": sys.executable, "TMPDIR": str(tmp_path)}
+    check = subprocess.run(["bash", script, "check"], env=env, capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0, check.stderr
+    stages = [line.split()[1] for line in check.stdout.splitlines()]
+    assert stages == ["preset", "profile-k8", "profile-plain", "compiled"]
+    refusals = [({}, "$OUT is not set"), ({"OUT": str(tmp_path)}, "no CUDA GPU here")]
+    for extra, needle in refusals:
+        device = subprocess.run(["bash", script, "device"], env=env | extra, capture_output=True, text=True, timeout=60)
+        assert device.returncode == 2
+        assert needle in device.stderr and len(device.stderr.strip().splitlines()) == 1
+    assert not list(tmp_path.glob("tmp.*"))  # check's scratch folder (mktemp -d) is gone
 
 
 @pytest.mark.parametrize(
