@@ -162,7 +162,9 @@ class StepBuffers:
 
     Host values (lists, or lists of equal-length lists) staged between two :meth:`flush` calls
     reach the device together: per dtype, one tensor of all of them is made on the device and
-    one ``_foreach_copy_`` spreads it over the buffers. Call :meth:`flush` before the step
+    one ``_foreach_copy_`` spreads it over the buffers (the engine stages masks as 0 / 1 integers,
+    which its step functions turn into bools, so that a flush is one copy, not two; on a GPU a
+    copy from pageable host memory also waits for the stream). Call :meth:`flush` before the step
     function reads the buffers. Values already in a tensor are copied at once. On a GPU each
     copy is a launch and, from a slow host, ~50 us of dispatch, and a drafting round stages ~60
     buffers. The buffers are separate tensors: a compiled step sees no inputs that alias."""

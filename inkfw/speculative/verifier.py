@@ -84,14 +84,16 @@ class TargetVerifier(StepModes):
             stage("drafts", F.pad(drafts.tokens, (0, 0, 0, pad))),
             stage("num_drafts", num_drafts),
             stage("positions", [[s + i for i in range(k + 1)] for s in starts]),
-            stage("valid", [[i <= n for i in range(k + 1)] for n in num_drafts], torch.bool),
+            stage("valid", [[i <= n for i in range(k + 1)] for n in num_drafts]),  # 0 / 1: one dtype, one copy
         ]
         args += flat_tables(tables)
-        self.buffers.flush()  # the staged host values, one copy per dtype
+        self.buffers.flush()  # the staged host values (all integers): one copy
         hidden, logits, num_accepted, next_tokens = run(self._function(kv, len(tables)), *args)
         if not all(r.sampling.greedy for r in requests) or type(self).accept is not TargetVerifier.accept:
             num_accepted, next_tokens = self.accept(logits[:B], requests, drafts)  # sampled (or a subclass's rule)
-        return Verdict(num_accepted[:B], next_tokens[:B], hidden[:B])
+        if pad:  # the real rows (a slice is an op: one beside the graphs, each, on a GPU)
+            num_accepted, next_tokens, hidden = num_accepted[:B], next_tokens[:B], hidden[:B]
+        return Verdict(num_accepted, next_tokens, hidden)
 
     @torch.no_grad()
     def prefill(
@@ -134,7 +136,7 @@ class TargetVerifier(StepModes):
             args = [
                 stage("prefill_ids", ids),
                 stage("prefill_positions", positions),
-                stage("prefill_valid", valid, torch.bool),
+                stage("prefill_valid", valid),  # 0 / 1
             ]
             args += flat_tables(tables)
             self.buffers.flush()
@@ -144,7 +146,7 @@ class TargetVerifier(StepModes):
     def _prefill_function(self, kv: KVManager, num_groups: int) -> StepFunction:
         def prefill_step(ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, *tables: torch.Tensor):
             views = table_views(kv.group_indices(), tables)
-            return self.model(ids, positions, kv.caches_from(views, positions, valid))  # [B, W, H]
+            return self.model(ids, positions, kv.caches_from(views, positions, valid.bool()))  # [B, W, H]
 
         return self._step_function(("prefill", num_groups), prefill_step, "prefill", tables_from=3)
 
@@ -165,11 +167,11 @@ class TargetVerifier(StepModes):
         *tables: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """last [B], draft_tokens [B, k], num_drafts [B] (-1: padding), positions [B, 1+k] (L - 1 ..),
-        valid [B, 1+k], block tables -> (hidden [B, 1+k, H], logits [B, 1+k, V], greedy
-        num_accepted [B], greedy next token [B])."""
+        valid [B, 1+k] (bool, or 0 / 1 as staged), block tables -> (hidden [B, 1+k, H], logits [B, 1+k, V],
+        greedy num_accepted [B], greedy next token [B])."""
         ids = torch.cat([last[:, None], draft_tokens], dim=1)  # [B, 1+k]
         views = table_views(kv.group_indices(), tables)
-        hidden = self.model(ids, positions, kv.caches_from(views, positions, valid))  # [B, 1+k, H]
+        hidden = self.model(ids, positions, kv.caches_from(views, positions, valid.bool()))  # [B, 1+k, H]
         logits = self.model.logits(hidden)  # [B, 1+k, V]
         num_accepted, next_tokens = self.kernels.greedy_accept(
             draft_tokens, logits, num_drafts.clamp(min=0), check=False

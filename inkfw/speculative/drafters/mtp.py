@@ -301,7 +301,7 @@ class MtpDrafter(StepModes):
             stage("takes", takes),
             stage("lengths", lengths),
             stage("decode_positions", [[e + 1 + i for i in range(n_dec)] for e in ends]),
-            stage("decode_valid", [[i < w - P for i in range(n_dec)] for w in wants], torch.bool),
+            stage("decode_valid", [[i < w - P for i in range(n_dec)] for w in wants]),  # 0 / 1: one dtype, one copy
             stage("ext", ext),
             stage("draft_at", draft_at),
             stage("wants", wants),
@@ -315,7 +315,7 @@ class MtpDrafter(StepModes):
                 )
             )
         args = (stage("hidden", hidden, hidden.dtype), *rows_t, *table_args)
-        buffers.flush()  # the staged host values, one copy per dtype
+        buffers.flush()  # the staged host values (all integers): one copy
 
         probs = logits = None
         if tensor_ops_only:  # static rounds compiled / graph-captured; others by depth or eager
@@ -390,6 +390,7 @@ class MtpDrafter(StepModes):
         not serve. Returns draft tokens [B, K]."""
         model, P, D = self.model, depths_run, self.num_depths
         hidden, slots, starts, takes, lengths, decode_positions, decode_valid, ext, draft_at, wants = args[:10]
+        decode_valid = decode_valid.bool()  # staged as integers, with the round's other host values
         tables = args[10:]
         B, T = ext.shape[0], ext.shape[1] - max(K, self.lookahead)  # the span width (ext: T + max(K, lookahead))
         device = hidden.device
