@@ -33,6 +33,7 @@ from helpers.engine import (  # noqa: F401
 )
 from helpers.engine import SPEC_VOCAB as VOCAB
 from helpers.engine import make_engine as make_any_engine
+from inkfw.bench.step_profile import OpsOutsideSteps
 from inkfw.errors import ConfigError
 from inkfw.models.inkling.layers import MoE
 from inkfw.profiling import count_host_reads
@@ -176,8 +177,8 @@ def staged_log(buffers) -> dict:
     log: dict = {}
     original = buffers.stage
 
-    def stage(name, values, dtype=torch.long):
-        t = original(name, values, dtype)
+    def stage(name, values, dtype=torch.long, rows=None):
+        t = original(name, values, dtype, rows)
         log[(name, tuple(t.shape), t.dtype)] = t.data_ptr()
         return t
 
@@ -187,7 +188,8 @@ def staged_log(buffers) -> dict:
 
 def test_staged_host_values_reach_the_device_in_one_copy_per_dtype():
     """``StepBuffers``: a staged list is written at :meth:`flush`, all lists of one dtype in one
-    copy, into buffers that keep their ``data_ptr``; tensors are copied at once."""
+    copy, into buffers that keep their ``data_ptr``; tensors are copied at once, empty ones not
+    at all."""
     buffers = StepBuffers("cpu")
     a = buffers.stage("a", [1, 2, 3])
     table = buffers.stage("table", [[4, 5], [6, 7]])
@@ -202,6 +204,9 @@ def test_staged_host_values_reach_the_device_in_one_copy_per_dtype():
     buffers.flush()
     assert table.tolist() == [[8, 9], [10, 11]] and buffers.num_copies == 4
     assert buffers.stage("empty", [[], []]).shape == (2, 0)
+    no_drafts = buffers.stage("drafts", torch.zeros(3, 0, dtype=torch.long), rows=4)  # padded to 4 rows
+    assert no_drafts.shape == (4, 0) and buffers.num_copies == 4  # nothing to copy
+    assert buffers.stage("drafts", torch.zeros(3, 0, dtype=torch.long), rows=4) is no_drafts
     with pytest.raises(ValueError, match="rows of unequal length"):
         buffers.stage("ragged", [[1], [2, 3]])
 
@@ -220,6 +225,24 @@ def test_a_decode_step_copies_host_values_once(static_moe_model):
         copies = [verifier.buffers.num_copies - before[0], drafter.buffers.num_copies - before[1]]
         assert staged == [0, 0] and copies[0] == 2 and copies[1] <= 2
     assert len(verifier.buffers) >= 7 and len(drafter.buffers) >= 15
+
+
+def test_a_plain_decode_step_gathers_and_copies_no_drafts(static_moe_model):
+    """Plain decoding at batch 3 (bucket 4): beside the verify step function, a decode step makes
+    one copy of its host values, and gathers, pads and copies no drafts (it has none): on a GPU
+    each op there is a launch next to the graph, and a copy from the host waits for the stream."""
+    engine, _ = make_engine(static_moe_model, NO_DRAFTER)
+    verifier = engine.verifier
+    reqs = prefill(engine, prompts_of(33, 3, lo=6, hi=10), 8)
+    ops, steps = OpsOutsideSteps(), 0
+    with torch.no_grad(), ops:
+        while not all(r.finished for r in reqs):
+            before = verifier.buffers.num_copies
+            engine.step()
+            assert verifier.buffers.num_copies - before == 1
+            steps += 1
+    assert steps >= 7 and ops.outside["aten._foreach_copy_"] == steps
+    assert not {"aten.index_select", "aten.constant_pad_nd", "aten.copy_", "aten.cat"} & set(ops.outside)
 
 
 def is_table(key) -> bool:

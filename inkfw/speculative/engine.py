@@ -219,6 +219,7 @@ class Engine:
         slots = self.config.max_num_seqs
         self._free_slots = list(range(slots))
         self._draft_tokens = torch.zeros(slots + 1, max(1, drafter.num_tokens), dtype=torch.long, device=self.device)
+        self._no_drafts: dict[int, Drafts] = {}  # per batch size: the drafts of a step that verifies none
         self._draft_probs: torch.Tensor | None = None  # [slots + 1, k, V], once a request samples
         if hasattr(drafter, "reserve"):
             drafter.reserve(slots)  # type: ignore[attr-defined]
@@ -491,8 +492,11 @@ class Engine:
             drafts = self._batch_drafts(decodes)
             pad_to = bucket if self.pads_batches else None  # None: exact rows and table widths
             verdict = self.verifier.verify(self.kv, decodes, drafts, self._run_target, pad_to=pad_to)
-            # the step's one device -> host read: accepted counts, next tokens, the drafts
-            packed = torch.cat([verdict.num_accepted[:, None], verdict.next_tokens[:, None], drafts.tokens], 1)
+            # the step's one device -> host read: accepted counts, next tokens, the drafts (in as few
+            # ops as it takes: on a GPU each is a launch beside the graphs)
+            packed = torch.stack([verdict.num_accepted, verdict.next_tokens], 1)  # [B, 2]
+            if drafts.tokens.shape[1]:
+                packed = torch.cat([packed, drafts.tokens], 1)  # [B, 2 + k]
             rows = packed.tolist()
             counts = [r.num_pending for r in decodes]
             accepted = [row[0] for row in rows]
@@ -903,6 +907,12 @@ class Engine:
         """The pending drafts of ``decodes`` from their slots: tokens [B, k] (k: the width they
         were drafted with) and, when a request samples, their distributions q [B, k, V]."""
         k = max(r.pending_width for r in decodes)
+        sampled = self._draft_probs is not None and not all(r.sampling.greedy for r in decodes)
+        if k == 0 and not sampled:  # plain decoding: nothing to gather or copy (on a GPU, 4 ops and 2 copies)
+            none = self._no_drafts.get(len(decodes))
+            if none is None:  # constant tensors (never written), made once per batch size
+                none = self._no_drafts[len(decodes)] = Drafts.empty(len(decodes), self.device)
+            return Drafts(none.tokens, none.num_drafts, counts=[0] * len(decodes))
         slot_ids = torch.tensor([r.slot for r in decodes], device=self.device)
         tokens = self._draft_tokens.index_select(0, slot_ids)[:, :k]  # [B, k]
         counts = [r.num_pending for r in decodes]
