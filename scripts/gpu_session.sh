@@ -11,6 +11,8 @@
 # source archive and is built into a wheel here). `device` installs them under /tmp/site, then runs
 # the stages below in order of importance, each within what is left of a 580 s budget, and packs
 # every log and output into $OUT/gpu_session.tgz, with the log also as $OUT/gpu_session.log.
+# What travels: the tracked tree (38 MB on 2026-12-07, most of it benchmarks/results and the
+# checkpoint) and .whl (14 MB), within the device call's 64 MiB.
 #
 # Stages (each line: name, seconds it may take at most, command):
 #   preset        540  the GPU check itself (issue 9: within 8 minutes; 60 s more so that a slow run still reports)
