@@ -546,7 +546,12 @@ def test_gpu_session_stages_parse_and_refuse_to_run_off_the_gpu(tmp_path):
     and pass the benchmark's own option check (a typo would cost a lent GPU's minutes), and
     `device` refuses with one line, exit 2, where there is no $OUT or no GPU."""
     script = str(ROOT / "scripts" / "gpu_session.sh")
-    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "PYTHON": sys.executable, "TMPDIR": str(tmp_path)}
+    no_gpu = tmp_path / "bin"  # an nvidia-smi that finds no GPU, also on a machine that has one
+    no_gpu.mkdir()
+    (no_gpu / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n")
+    (no_gpu / "nvidia-smi").chmod(0o755)
+    path = f"{no_gpu}:{Path(sys.executable).parent}:/usr/bin:/bin"
+    env = {"PATH": path, "PYTHON": sys.executable, "TMPDIR": str(tmp_path)}
     check = subprocess.run(["bash", script, "check"], env=env, capture_output=True, text=True, timeout=300)
     assert check.returncode == 0, check.stderr
     stages = [line.split()[1] for line in check.stdout.splitlines()]
