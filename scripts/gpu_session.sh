@@ -38,10 +38,10 @@ PYTHON=${PYTHON:-python3}  # the device image's python3 holds its torch
 
 prepare() {
     mkdir -p .whl
-    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         -d .whl "${WHEELS[@]}" || exit 1
-    python3 -m pip wheel -q --no-deps -w .whl "$ANTLR" || exit 1
+    "$PYTHON" -m pip wheel -q --no-deps -w .whl "$ANTLR" || exit 1
     ls -l .whl
     echo "carry .whl in the device call: run(command=\"bash scripts/gpu_session.sh device\", carry=[\".whl\"], timeout_s=600)"
 }

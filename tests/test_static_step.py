@@ -177,8 +177,8 @@ def staged_log(buffers) -> dict:
     log: dict = {}
     original = buffers.stage
 
-    def stage(name, values, dtype=torch.long, rows=None):
-        t = original(name, values, dtype, rows)
+    def stage(name, values, dtype=torch.long):
+        t = original(name, values, dtype)
         log[(name, tuple(t.shape), t.dtype)] = t.data_ptr()
         return t
 
@@ -188,8 +188,8 @@ def staged_log(buffers) -> dict:
 
 def test_staged_host_values_reach_the_device_in_one_copy_per_dtype():
     """``StepBuffers``: a staged list is written at :meth:`flush`, all lists of one dtype in one
-    copy, into buffers that keep their ``data_ptr``; tensors are copied at once, empty ones not
-    at all."""
+    copy, into buffers that keep their ``data_ptr``; tensors are copied at once; empty rows are
+    not copied at all."""
     buffers = StepBuffers("cpu")
     a = buffers.stage("a", [1, 2, 3])
     table = buffers.stage("table", [[4, 5], [6, 7]])
@@ -204,9 +204,10 @@ def test_staged_host_values_reach_the_device_in_one_copy_per_dtype():
     buffers.flush()
     assert table.tolist() == [[8, 9], [10, 11]] and buffers.num_copies == 4
     assert buffers.stage("empty", [[], []]).shape == (2, 0)
-    no_drafts = buffers.stage("drafts", torch.zeros(3, 0, dtype=torch.long), rows=4)  # padded to 4 rows
+    no_drafts = buffers.stage("drafts", [[]] * 4)  # a batch of 4 rows with no drafts
+    buffers.flush()
     assert no_drafts.shape == (4, 0) and buffers.num_copies == 4  # nothing to copy
-    assert buffers.stage("drafts", torch.zeros(3, 0, dtype=torch.long), rows=4) is no_drafts
+    assert buffers.stage("drafts", [[]] * 4) is no_drafts
     with pytest.raises(ValueError, match="rows of unequal length"):
         buffers.stage("ragged", [[1], [2, 3]])
 

@@ -176,13 +176,10 @@ class StepBuffers:
         self._pending: dict[torch.dtype, list[tuple[torch.Tensor, list[Any]]]] = {}
         self.num_copies = 0  # host -> device copies so far (one per dtype per flush, and tensor stages)
 
-    def stage(self, name: str, values: Any, dtype: torch.dtype = torch.long, rows: int | None = None) -> torch.Tensor:
+    def stage(self, name: str, values: Any, dtype: torch.dtype = torch.long) -> torch.Tensor:
         """The persistent tensor for ``name`` that holds ``values`` (a tensor now; host values
-        once :meth:`flush` has run). A tensor with no elements is not copied: its buffer has
-        ``rows`` rows (None: as many as it has), so a batch padded to ``rows`` needs no padding op."""
+        once :meth:`flush` has run; rows of no values copy nothing)."""
         if isinstance(values, torch.Tensor):
-            if values.numel() == 0:
-                return self._buffer((name, (rows or values.shape[0], *values.shape[1:]), dtype))
             buf = self._buffer((name, tuple(values.shape), dtype))
             buf.copy_(values)
             self.num_copies += 1

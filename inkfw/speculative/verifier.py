@@ -79,9 +79,13 @@ class TargetVerifier(StepModes):
         )
         # positions and validity come from the host too: computing positions inside a compiled
         # graph that also writes the cache's slot tags miscompiled on CPU (torch 2.13 inductor)
+        if k:
+            staged_drafts = stage("drafts", F.pad(drafts.tokens, (0, 0, 0, pad)) if pad else drafts.tokens)
+        else:  # nothing drafted: empty rows, nothing to copy
+            staged_drafts = stage("drafts", [[]] * (B + pad))
         args = [
             stage("last", [r.token_ids[-1] for r in requests] + [0] * pad),
-            stage("drafts", F.pad(drafts.tokens, (0, 0, 0, pad)) if pad and k else drafts.tokens, rows=B + pad),
+            staged_drafts,
             stage("num_drafts", num_drafts),
             stage("positions", [[s + i for i in range(k + 1)] for s in starts]),
             stage("valid", [[i <= n for i in range(k + 1)] for n in num_drafts]),  # 0 / 1: one dtype, one copy
