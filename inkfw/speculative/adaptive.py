@@ -20,7 +20,7 @@ pick the k in 0..max_k that maximises expected tokens per second.
   step whose one row is one request (batch 1) chooses by that request's estimates. Pooled by
   steps, as before, the first stdlib prompt's 7-10 rejections (the bench's warm-up and its first
   run) set the estimate every later request was admitted by: position 2 at 0.16-0.21, each request kept to 1 depth at k = 1, and only probes
-  observed position 2 again (the trap, BENCHMARKS.md "Twenty-seventh session"). Observations
+  observed position 2 again (the trap, benchmarks/history.md "Twenty-seventh session"). Observations
   with no request named enter the pool at once, one unit per step that reached a position, old
   counts multiplied by ``decay`` at each :meth:`AdaptiveK.observe` call that sees the position.
 * **Expected tokens** of one request at k: ``E(k) = 1 + sum_{i=1..k} prod_{j<=i} alpha_j``
@@ -78,7 +78,7 @@ pick the k in 0..max_k that maximises expected tokens per second.
   did (0.25-0.30 against 0.15 ms at batch 4, compiled). Without the price, compiled auto at
   batch 4 drafted every HumanEval request at k = 8, whose steps save 0.4-0.55 ms per token: 64
   new tokens did not earn back a 130-position pass, and the run went at 0.78x plain; with it,
-  1.03-1.07x (BENCHMARKS.md, "Eleventh session").
+  1.03-1.07x (benchmarks/history.md, "Eleventh session").
 * **Depths per request.** A request admitted to draft keeps only depths ``0 .. m - 1``
   (:meth:`AdaptiveK.depths_for`, by the pool's estimates, then again with position ``m + 1`` at
   its upper bound, as for the next position of a step's k): it then drafts at most ``m`` tokens a step,
@@ -86,7 +86,7 @@ pick the k in 0..max_k that maximises expected tokens per second.
   catches up over its positions. ``m`` maximises what its ``new_tokens`` save at the best
   ``k <= m`` less that pass. Fixed k = 2 ran 5-12 % ahead of ``auto`` at batch 1, compiled, where
   auto kept all 8 depths and paid their pass over each prompt, or their catch-up, for steps that
-  chose k = 2-4 (BENCHMARKS.md, "Fifteenth session"). A probe drafts ``max_k`` for rows that keep
+  chose k = 2-4 (benchmarks/history.md, "Fifteenth session"). A probe drafts ``max_k`` for rows that keep
   every depth only; where none does, a due probe waits (``choose(probe=False)``), and the
   engine admits a request with every depth when a probe falls due within its expected steps
   and no running request keeps them all.

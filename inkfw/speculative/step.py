@@ -85,7 +85,7 @@ def cpu_outer_loop_fusion_off() -> Iterator[None]:
     batch decoded other tokens than eager from the 7th-11th token on, row 3 exactly
     (tests/test_shipped_checkpoint.py). Without the fusion the steps keep their SIMD kernels:
     batched compiled steps ran about 1.4x faster than with SIMD off (``cpp.simdlen=1``, the first
-    cure), batch 1 about as fast (BENCHMARKS.md, "Tenth session")."""
+    cure), batch 1 about as fast (benchmarks/history.md, "Tenth session")."""
     scheduling = _cpp_scheduling()
     if scheduling is None:
         yield

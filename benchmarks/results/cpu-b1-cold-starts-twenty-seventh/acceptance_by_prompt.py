@@ -1,5 +1,5 @@
 """Per prompt: a fixed k = 3 engine's acceptance at positions 1-3 (rate/drafts that reached it), over
-all its steps and its first 4 (BENCHMARKS.md, "Twenty-seventh session"). Ad hoc, unmaintained:
+all its steps and its first 4 (benchmarks/history.md, "Twenty-seventh session"). Ad hoc, unmaintained:
     python benchmarks/results/cpu-b1-cold-starts-twenty-seventh/acceptance_by_prompt.py
 """
 import torch, inkfw

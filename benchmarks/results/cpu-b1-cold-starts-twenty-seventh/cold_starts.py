@@ -1,4 +1,4 @@
-"""Cold starts of `spec.num_tokens=auto`, many per process (BENCHMARKS.md, "Twenty-seventh session"; the
+"""Cold starts of `spec.num_tokens=auto`, many per process (benchmarks/history.md, "Twenty-seventh session"; the
 twenty-sixth session's script with one more patch, local).
 
 An ad hoc research script, kept with its results as the record of how they were made; it is not

@@ -1,5 +1,5 @@
 """One auto engine, warmed up as the bench does, then the 12 stdlib prompts: each admission's depths,
-estimates and seen counts, and each prompt's chosen (k, row depths) (BENCHMARKS.md, "Twenty-seventh
+estimates and seen counts, and each prompt's chosen (k, row depths) (benchmarks/history.md, "Twenty-seventh
 session"). Ad hoc, unmaintained; arguments set AdaptiveK attributes (the cold-start script's patches):
     python benchmarks/results/cpu-b1-cold-starts-twenty-seventh/trace_admissions.py local=1 local_depths=1
 """

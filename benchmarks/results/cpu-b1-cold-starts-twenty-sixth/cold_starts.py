@@ -1,4 +1,4 @@
-"""Cold starts of `spec.num_tokens=auto`, many per process (BENCHMARKS.md, "Twenty-sixth session").
+"""Cold starts of `spec.num_tokens=auto`, many per process (benchmarks/history.md, "Twenty-sixth session").
 
 An ad hoc research script, kept with its results as the record of how they were made; it is not
 maintained with the package. Run from the repository root with the project's venv:

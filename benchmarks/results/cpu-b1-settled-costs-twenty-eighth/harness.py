@@ -1,5 +1,5 @@
 """Set-up, serving in turn, cold-start trials and step timing shared by this folder's ad hoc
-scripts (BENCHMARKS.md, "Twenty-eighth session") and the twenty-ninth session's; unmaintained,
+scripts (benchmarks/history.md, "Twenty-eighth session") and the twenty-ninth session's; unmaintained,
 like them. Each script runs from the repository root, and Python puts this folder first on its
 path (or the script puts it there), so ``import harness`` finds this file."""
 import contextlib

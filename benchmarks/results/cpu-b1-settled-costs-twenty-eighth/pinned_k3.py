@@ -1,4 +1,4 @@
-"""The `auto` engine pinned to k = 3 with 3 depths a request, against fixed k = 3 (BENCHMARKS.md,
+"""The `auto` engine pinned to k = 3 with 3 depths a request, against fixed k = 3 (benchmarks/history.md,
 "Twenty-eighth session").
 
 An ad hoc research script, kept with its results as the record of how they were made; it is not

@@ -1,4 +1,4 @@
-"""Served decode steps by k, against warm-up's costs (BENCHMARKS.md, "Twenty-eighth session").
+"""Served decode steps by k, against warm-up's costs (benchmarks/history.md, "Twenty-eighth session").
 
 An ad hoc research script, kept with its results as the record of how they were made; it is not
 maintained with the package. Run from the repository root with the project's venv:

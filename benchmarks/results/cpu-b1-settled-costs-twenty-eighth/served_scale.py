@@ -1,4 +1,4 @@
-"""Cold starts of `spec.num_tokens=auto` with step costs scaled to served steps (BENCHMARKS.md,
+"""Cold starts of `spec.num_tokens=auto` with step costs scaled to served steps (benchmarks/history.md,
 "Twenty-eighth session"; the twenty-seventh session's cold_starts.py with its old patches left out
 and one new patch, served_scale).
 

@@ -1,4 +1,4 @@
-"""Warm-up timing the second against the fourth step at each k, side by side (BENCHMARKS.md,
+"""Warm-up timing the second against the fourth step at each k, side by side (benchmarks/history.md,
 "Twenty-eighth session").
 
 An ad hoc research script, kept with its results as the record of how they were made; it is not

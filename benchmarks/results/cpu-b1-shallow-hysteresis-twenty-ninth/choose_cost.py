@@ -1,4 +1,4 @@
-"""Host time of one AdaptiveK.choose and observe call at batch 1 (BENCHMARKS.md, "Twenty-ninth
+"""Host time of one AdaptiveK.choose and observe call at batch 1 (benchmarks/history.md, "Twenty-ninth
 session"). An ad hoc script, not maintained with the package: python choose_cost.py
 
 Its output on the shared 2-core machine (2026-12-06): choose 43.7 us, observe 1.6 us per call."""

@@ -1,4 +1,4 @@
-"""Cold starts of `spec.num_tokens=auto` (BENCHMARKS.md, "Twenty-ninth session"): the twenty-eighth
+"""Cold starts of `spec.num_tokens=auto` (benchmarks/history.md, "Twenty-ninth session"): the twenty-eighth
 session's served_scale.py with its own patches left out (inert in processes P-R, which named none of
 them; so was its step-timing hook) and four new ones:
 

@@ -1,4 +1,4 @@
-"""Drafting rounds of fixed k = 3 and `auto`, by kind (BENCHMARKS.md, "Twenty-ninth session").
+"""Drafting rounds of fixed k = 3 and `auto`, by kind (benchmarks/history.md, "Twenty-ninth session").
 
 An ad hoc research script, not maintained with the package. Run from the repository root:
 

@@ -1,6 +1,6 @@
 """Drafting rounds grouped by round shape (this session's change) against grouped by the depths
 each row keeps (before it), side by side in one process: two eager `auto` engines at batch 16,
-built and warmed up as scripts/bench.py builds them (BENCHMARKS.md, "Thirtieth session").
+built and warmed up as scripts/bench.py builds them (benchmarks/history.md, "Thirtieth session").
 Unmaintained. From the repository root:
 
     python benchmarks/results/cpu-b16-merged-rounds-thirtieth/merged.py REPEATS

@@ -1,5 +1,5 @@
 """Eager decode batches padded to their bucket (engine.pad_batches=true, the old default) against
-unpadded (null, the new default), side by side in one process (BENCHMARKS.md, "Thirtieth
+unpadded (null, the new default), side by side in one process (benchmarks/history.md, "Thirtieth
 session"). Unmaintained, like the other sessions' scripts. From the repository root:
 
     python benchmarks/results/cpu-eager-unpadded-thirtieth/padding.py BATCH NUM_PROMPTS REPEATS SETS KS

@@ -1,4 +1,4 @@
-"""Loopback servers side by side (BENCHMARKS.md, "Thirtieth session"): plain decoding, `auto`,
+"""Loopback servers side by side (benchmarks/history.md, "Thirtieth session"): plain decoding, `auto`,
 and `auto` with running requests' depths never lowered (the engine before this session's
 change), each warmed up as scripts/serve.py warms it, all in one process. Unmaintained, like
 the other sessions' scripts. From the repository root:
