@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -35,10 +36,18 @@ def _is_top_level_aten(event) -> bool:
     return True
 
 
+def quiet_profile(**kwargs: Any) -> profile:
+    """``torch.profiler.profile(**kwargs)`` without kineto's two ``USDT: ... profiler_start`` /
+    ``profiler_stop`` lines on stderr per profiled block, unless ``KINETO_LOG_LEVEL`` is set.
+    Kineto reads the level once, at the process's first profile."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # above its highest level: nothing printed
+    return profile(**kwargs)
+
+
 def aten_op_histogram(fn: Callable[[], Any], nested: bool = False) -> Counter[str]:
     """Aten ops one call of ``fn()`` issues (under ``torch.no_grad``), by name (``aten::mm``):
     the top-level ones, or with ``nested`` every op including those other ops call."""
-    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+    with torch.no_grad(), quiet_profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
     return Counter(
         e.name for e in prof.events() or [] if e.name.startswith("aten::") and (nested or _is_top_level_aten(e))

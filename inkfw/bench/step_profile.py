@@ -29,6 +29,7 @@ from rich.table import Table
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from inkfw.errors import ConfigError
+from inkfw.profiling import quiet_profile
 from inkfw.speculative.step import StepFunction
 
 # (part, does an event of this name belong to it); the first match wins, the rest is "other aten ops"
@@ -154,7 +155,7 @@ def profile_decode_steps(
     cuda = engine.device.type == "cuda"
     if cuda:  # the kernels too, CUDA graphs' included
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities, record_shapes=by_shape) as prof:
+    with quiet_profile(activities=activities, record_shapes=by_shape) as prof:
         t0 = time.perf_counter()
         while done < steps and any(not r.finished for r in requests):
             engine.step()
