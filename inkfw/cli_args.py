@@ -15,6 +15,9 @@ scripts call :func:`prepare_argv` before their ``@hydra.main`` function:
 * the remaining overrides are parsed and composed once against the script's config; an error
   there is printed as one ``error: ...`` line and the script exits with code 2 (instead of
   Hydra's multi-line report and exit code 1).
+
+Every entry point calls :func:`check_command_line` (which does this, then
+:func:`inkfw.cli.check_group_choices`) before its ``@hydra.main`` app.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-EXIT_USER_ERROR = 2
+from inkfw.cli import EXIT_USER_ERROR, check_group_choices
+from inkfw.paths import config_dir
+
 RESOLVER = "inkfw.verbatim"
 VERBATIM_KEYS = ("prompt", "stop")
 STDIN_MARK = "-"
@@ -251,3 +256,14 @@ def _split_flags(args: Sequence[str]) -> tuple[list[str], list[str]]:
         else:
             overrides.append(arg)
     return overrides, flags
+
+
+def check_command_line(config_name: str, verbatim: bool = False) -> dict[str, Any]:
+    """What an entry point runs on ``sys.argv`` before its ``@hydra.main`` app for ``config_name``
+    (a config of ``inkfw/conf``): :func:`prepare_argv` (``prompt=`` / ``stop=`` verbatim only
+    with ``verbatim``) and :func:`inkfw.cli.check_group_choices`. A bad override or an unknown
+    option ends the program with one ``error: ...`` line and exit code 2. Returns the verbatim
+    values taken out."""
+    values = prepare_argv(config_dir(), config_name, verbatim=verbatim)
+    check_group_choices(config_dir())
+    return values

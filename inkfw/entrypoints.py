@@ -15,8 +15,8 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from inkfw.cli import EXIT_USER_ERROR, check_group_choices, run_user_command
-from inkfw.cli_args import prepare_argv
+from inkfw.cli import EXIT_USER_ERROR, run_user_command
+from inkfw.cli_args import check_command_line
 from inkfw.paths import config_dir
 
 CONFIG_PATH = str(config_dir())
@@ -60,25 +60,23 @@ def _bench_app(cfg: DictConfig) -> None:
 # ----------------------------------------------------------------------------- programs
 def infer_main() -> None:
     """``inkfw-infer`` / ``scripts/infer.py``: speculative decoding of prompts (``inkfw/conf/infer.yaml``)."""
-    prepare_argv(config_dir(), "infer")  # prompt=/stop= verbatim; bad overrides: one error line, exit 2
-    check_group_choices(config_dir())
+    check_command_line("infer", verbatim=True)  # prompt=/stop= verbatim; bad overrides: one error line, exit 2
     _infer_app()
 
 
 def serve_main() -> None:
     """``inkfw-serve`` / ``scripts/serve.py``: the OpenAI-compatible server (``inkfw/conf/serve.yaml``)."""
-    prepare_argv(config_dir(), "serve", verbatim=False)  # bad overrides: one error line, exit 2
-    check_group_choices(config_dir())
+    check_command_line("serve")  # bad overrides: one error line, exit 2
     _serve_app()
 
 
 def train_main() -> None:
     """``inkfw-train`` / ``scripts/train.py``: MTP depths or pretraining (``inkfw/conf/train.yaml``)."""
-    check_group_choices(config_dir())
+    check_command_line("train")
     _train_app()
 
 
 def bench_main() -> None:
     """``inkfw-bench`` / ``scripts/bench.py``: the benchmark (``inkfw/conf/bench.yaml``; ``--config-name bench_gpu``)."""
-    check_group_choices(config_dir())
+    check_command_line("bench")
     _bench_app()

@@ -3,8 +3,8 @@
 import hydra
 from omegaconf import DictConfig
 
-from inkfw.cli import check_group_choices, run_user_command
-from inkfw.cli_args import prepare_argv
+from inkfw.cli import run_user_command
+from inkfw.cli_args import check_command_line
 from inkfw.paths import config_dir
 from inkfw.server.bench import run_server_bench
 
@@ -15,6 +15,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    prepare_argv(config_dir(), "bench_server", verbatim=False)  # bad overrides: one error line, exit 2
-    check_group_choices(config_dir())
+    check_command_line("bench_server")  # bad overrides: one error line, exit 2
     main()

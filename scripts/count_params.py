@@ -4,6 +4,7 @@ import hydra
 from omegaconf import DictConfig
 
 from inkfw.cli import run_user_command
+from inkfw.cli_args import check_command_line
 from inkfw.paths import config_dir
 from inkfw.presets import report_parameters
 
@@ -14,4 +15,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_command_line("count_params")  # bad overrides: one error line, exit 2
     main()

@@ -4,7 +4,8 @@ import hydra
 from omegaconf import DictConfig
 
 from inkfw.bench.step_profile import report_step_profile
-from inkfw.cli import check_group_choices, run_user_command
+from inkfw.cli import run_user_command
+from inkfw.cli_args import check_command_line
 from inkfw.paths import config_dir
 
 
@@ -14,5 +15,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    check_group_choices(config_dir())
+    check_command_line("profile_step")  # bad overrides: one error line, exit 2
     main()

@@ -4,6 +4,7 @@ and Hydra's run folders go under runs/, never outputs/."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -91,6 +92,34 @@ def test_bad_input_gives_one_line_no_traceback(tmp_path, overrides, needle):
     assert len(lines) == 1, out.stderr
     assert lines[0].startswith("error: ") and needle in lines[0]
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("script", ["train.py", "bench.py", "count_ops.py"])
+def test_scripts_reject_an_unknown_option_in_one_line(tmp_path, script):
+    """Hydra's own report of an unknown key is seven lines and exit code 1; the entry points
+    check their overrides first (``check_command_line``) and say it in one."""
+    out = run(script, "no_such_option=1", cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip() == "error: unknown option 'no_such_option'; to add a new key write +no_such_option=1."
+
+
+def test_every_script_checks_its_command_line_against_its_own_config():
+    """Each script's ``__main__`` calls ``check_command_line`` (directly, or through
+    ``inkfw.entrypoints``) with the config its ``@hydra.main`` app composes."""
+    entrypoints = (ROOT / "inkfw" / "entrypoints.py").read_text()
+    for path in sorted((ROOT / "scripts").glob("*.py")):
+        text = path.read_text()
+        program = re.search(r"from inkfw.entrypoints import (\w+)_main", text)
+        if program:  # infer, serve, train, bench: the check is in their *_main()
+            name = program.group(1)
+            body = entrypoints[entrypoints.index(f"def {name}_main()") :]
+            assert f'check_command_line("{name}"' in body.split("\ndef ")[0], name
+            assert f'config_name="{name}"' in entrypoints, name
+            continue
+        config = re.search(r'config_name="(\w+)"', text)
+        assert config, f"{path.name} has no @hydra.main app"
+        main = text[text.index('if __name__ == "__main__":') :]
+        assert f'check_command_line("{config.group(1)}")' in main, path.name
 
 
 def test_debug_true_shows_traceback(tmp_path):
