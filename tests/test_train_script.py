@@ -107,6 +107,8 @@ def test_mtp_task_adds_depths(pretrained):
         (["data.sources=[/nonexistent/corpus]"], "does not exist"),
         (["task=finetune"], "unknown task 'finetune'"),
         (["loss.objective=mse"], "loss.objective"),
+        (["data.batch_size=0"], "data.batch_size must be an integer >= 1, got 0"),
+        (["trainer.max_stepz=2"], "unknown option 'trainer.max_stepz'"),
     ],
 )
 def test_bad_input_is_one_line(pretrained, args, message):

@@ -304,13 +304,21 @@ class ResumableLoader:
 class SplitDataModule(L.LightningDataModule):
     """What every training data node shares: ``train_set`` / ``val_set`` made by :meth:`setup`,
     served by a :class:`ResumableLoader` (seeded order, split over ranks, exact resume) and a
-    plain validation loader. Subclasses set ``batch_size``, ``seed`` and ``num_workers``."""
+    plain validation loader. Subclasses set ``batch_size``, ``seed`` and ``num_workers`` through
+    :meth:`set_loading`."""
 
     batch_size: int
     seed: int
     num_workers: int
     train_set: TensorDataset | None = None
     val_set: TensorDataset | None = None
+
+    def set_loading(self, batch_size: int, seed: int, num_workers: int) -> None:
+        """Check and keep the loaders' settings (``data.batch_size``, ``data.seed``, ``data.num_workers``)."""
+        for name, value, least in (("batch_size", batch_size, 1), ("num_workers", num_workers, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ConfigError(f"data.{name} must be an integer >= {least}, got {value!r}.")
+        self.batch_size, self.seed, self.num_workers = batch_size, seed, num_workers
 
     def _split(self, name: str) -> TensorDataset:
         split = self.train_set if name == "train" else self.val_set
@@ -350,9 +358,9 @@ class TextDataModule(SplitDataModule):
     ):
         super().__init__()
         self.sources, self.tokenizer_path = list(sources), tokenizer
-        self.seq_len, self.batch_size, self.val_fraction, self.seed = seq_len, batch_size, val_fraction, seed
+        self.set_loading(batch_size, seed, num_workers)
+        self.seq_len, self.val_fraction = seq_len, val_fraction
         self.eos_id, self.vocab_size, self.max_documents = eos_id, vocab_size, max_documents
-        self.num_workers = num_workers
         self.train_set = self.val_set = None
         self.val_documents: list[Document] = []
 

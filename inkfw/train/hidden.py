@@ -639,7 +639,7 @@ class HiddenDataModule(SplitDataModule):
         if task is not None:
             _check_task(task)
         self.path, self.model, self.tokenizer_path = path, model, tokenizer
-        self.batch_size, self.seed, self.num_workers = batch_size, seed, num_workers
+        self.set_loading(batch_size, seed, num_workers)
         self.eos_id, self.vocab_size = eos_id, vocab_size
         self.manifest: dict[str, Any] = {}
         self.train_set: HiddenRows | None = None
