@@ -71,6 +71,11 @@ def test_hydra_options_keep_their_values_and_go_after_the_overrides():
         ("engine.max_num_seq=2", "unknown option 'engine.max_num_seq'"),
         ("drafter=bogus", "unknown drafter 'bogus'; choose one of mtp, ngram, none."),
         ("sampler=a,b", "Ambiguous value for argument 'sampler=a,b'"),
+        (
+            "mtp=8",
+            "mtp is a group of settings (depths, embed_source), not one value; set one of them, for example mtp.depths=8.",
+        ),
+        ("output=out.json", "output is a group of settings (json), not one value"),
     ],
 )
 def test_bad_overrides_are_one_error_line_and_exit_2(arg, message, capsys):
@@ -79,6 +84,13 @@ def test_bad_overrides_are_one_error_line_and_exit_2(arg, message, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("arg", ["mtp.depths=8", "output=null", "drafter=ngram", "+mtp.extra=1", "stop=[]"])
+def test_values_and_group_choices_pass_the_node_check(arg):
+    """Only a value in place of a node of settings is refused: a setting inside one, a node set
+    to null, a group choice and an added key all compose."""
+    prepare_argv(config_dir(), "infer", ["infer.py", arg], verbatim=False)
 
 
 # ----------------------------------------------------------------------------- the script
