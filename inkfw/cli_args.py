@@ -176,8 +176,9 @@ def _fail(message: str) -> None:
 
 def check_overrides(conf_dir: str | Path, config_name: str, args: Sequence[str], verbatim: bool = True) -> None:
     """Parse ``args``' overrides and compose ``config_name`` with them; exit 2 with one line if
-    Hydra rejects them. Nothing is checked when a Hydra option changes what gets composed
-    (``-m``, ``-cn`` ...)."""
+    Hydra rejects them, or if one sets a value where the config holds a node of settings (which
+    Hydra allows). Nothing is checked when a Hydra option changes what gets composed (``-m``,
+    ``-cn`` ...)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -228,10 +229,11 @@ def check_overrides(conf_dir: str | Path, config_name: str, args: Sequence[str],
                 for key, value in scalars.values():
                     node = OmegaConf.select(base, key, default=None)
                     if isinstance(node, DictConfig) and len(node):
-                        first = next(iter(node))
+                        names = [str(name) for name in node]
+                        listed = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
                         _fail(
-                            f"{key} is a group of settings ({', '.join(map(str, node))}), not one value; "
-                            f"set one of them, for example {key}.{first}={_text(value)}."
+                            f"{key} is a group of settings ({listed}), not one value; "
+                            f"set one of them, for example {key}.{names[0]}={_text(value)}."
                         )
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
         _fail(one_line(exc))
