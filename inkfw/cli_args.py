@@ -200,14 +200,15 @@ def check_overrides(conf_dir: str | Path, config_name: str, args: Sequence[str],
             continue
         overrides.append(arg)
     parser = OverridesParser.create()
-    values: dict[str, tuple[str, Any]] = {}  # plain value overrides: argument -> (key, value)
+    scalars: dict[str, str] = {}  # argument -> key, for a value override that is not null or a mapping
     for arg in overrides:
         try:
             parsed = parser.parse_override(arg)
             key = parsed.key_or_group
             is_group = (Path(conf_dir) / key).is_dir() or key.startswith("hydra")
-            if not (is_group or parsed.package or parsed.is_delete() or parsed.is_sweep_override()):
-                values[arg] = (key, parsed.value())
+            plain = not (is_group or parsed.package or parsed.is_delete() or parsed.is_sweep_override())
+            if plain and parsed.value() is not None and not isinstance(parsed.value(), dict):
+                scalars[arg] = key
         except (OverrideParseException, HydraException) as exc:
             reason = str(exc).strip().splitlines()[0].split(" expecting ")[0].strip() if str(exc).strip() else ""
             hint = ", or pass text through prompt=... / stop=..., which take it verbatim" if verbatim else ""
@@ -222,32 +223,22 @@ def check_overrides(conf_dir: str | Path, config_name: str, args: Sequence[str],
             compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
             # a value in place of a node of settings (``mtp=8``, ``output=out.json``) composes, and
             # the program would then silently run on its defaults: compare with the config without them
-            scalars = {arg: kv for arg, kv in values.items() if kv[1] is not None and not isinstance(kv[1], dict)}
             if scalars:
                 rest = [arg for arg in overrides if arg not in scalars]
                 base = compose(config_name=config_name, overrides=rest, return_hydra_config=True)
-                for key, value in scalars.values():
+                for arg, key in scalars.items():
                     node = OmegaConf.select(base, key, default=None)
                     if isinstance(node, DictConfig) and len(node):
                         names = [str(name) for name in node]
                         listed = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
                         _fail(
                             f"{key} is a group of settings ({listed}), not one value; "
-                            f"set one of them, for example {key}.{names[0]}={_text(value)}."
+                            f"set one of them, for example {key}.{names[0]}={arg.partition('=')[2]}."
                         )
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
         _fail(one_line(exc))
     finally:
         GlobalHydra.instance().clear()
-
-
-def _text(value: Any) -> str:
-    """An override's parsed value as the command line would spell it."""
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, list):
-        return "[" + ",".join(map(_text, value)) + "]"
-    return str(value)
 
 
 def prepare_argv(
