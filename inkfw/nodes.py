@@ -1,15 +1,20 @@
 """Config nodes with a ``_target_``: built by Hydra, with one-sentence errors.
 
 Serving (``inkfw.speculative.factory``) and training (``inkfw.train.run``) build every component
-through :func:`build_node`, so a bad node reads the same wherever it is.
+through :func:`build_node`, and call the ``_partial_`` ones (the optimizer, the scheduler) through
+:func:`call_node`, so a bad node reads the same wherever it is.
 """
 
 from __future__ import annotations
 
+import types
+import typing
+from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 from hydra.errors import InstantiationException
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 
 from inkfw.errors import ConfigError, InkfwError
 
@@ -23,7 +28,72 @@ def build_node(group: str, node: Any, **kwargs: Any) -> Any:
         cause = exc.__cause__
         if isinstance(cause, InkfwError):
             raise cause from None
-        lines = str(cause if cause is not None else exc).splitlines()
-        detail = " ".join(ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("full_key"))
+        detail = one_line(cause if cause is not None else exc)
         target = node.get("_target_") if hasattr(node, "get") else None
-        raise ConfigError(f"{group}: cannot build {target!r} ({detail.rstrip('.')}).") from exc
+        raise ConfigError(
+            mistyped_node_setting(group, node) or f"{group}: cannot build {target!r} ({detail})."
+        ) from exc
+
+
+def call_node(group: str, factory: Callable[..., Any], *args: Any) -> Any:
+    """Call a ``_partial_`` node that :func:`build_node` built, with the arguments only the caller
+    has (the optimizer's parameters, the scheduler's optimizer). Settings the target refuses
+    (``optim.lr=abc``, ``optim.lr=-1``) become one :class:`ConfigError` naming the group."""
+    try:
+        return factory(*args)
+    except InkfwError:
+        raise
+    except (TypeError, ValueError, IndexError) as exc:
+        func, settings = (factory.func, factory.keywords) if isinstance(factory, partial) else (factory, {})
+        name = f"{getattr(func, '__module__', '')}.{getattr(func, '__qualname__', func)!s}".lstrip(".")
+        raise ConfigError(
+            mistyped_setting(group, func, settings) or f"{group}: cannot build {name!r} ({one_line(exc)})."
+        ) from exc
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line, without OmegaConf's ``full_key: ...`` context lines
+    or a closing full stop (the caller's sentence ends it)."""
+    lines = str(exc).splitlines()
+    return " ".join(ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("full_key")).rstrip(".")
+
+
+def check_setting_types(group: str, node: Any) -> None:
+    """Raise one :class:`ConfigError` for a setting of ``node`` given as text where its target's
+    signature takes a number or a boolean (see :func:`mistyped_setting`), before it is built."""
+    mistyped = mistyped_node_setting(group, node)
+    if mistyped:
+        raise ConfigError(mistyped)
+
+
+def mistyped_node_setting(group: str, node: Any) -> str | None:
+    """:func:`mistyped_setting` for a config node and its ``_target_``; None where the target does
+    not import (building it says so) or the node does not resolve."""
+    target = node.get("_target_") if hasattr(node, "get") else None
+    try:
+        settings = {k: v for k, v in node.items() if not str(k).startswith("_")}
+        return mistyped_setting(group, get_object(target), settings) if isinstance(target, str) else None
+    except Exception:
+        return None
+
+
+def mistyped_setting(group: str, target: Any, settings: Mapping[str, Any]) -> str | None:
+    """For a node that failed to build: the first setting given as text where the target's
+    signature takes only numbers or booleans (``trainer.max_steps=abc``, whose own error reads
+    ``'<' not supported between instances of 'str' and 'int'``), as one sentence; None when
+    there is none or the target's type hints cannot be read."""
+    try:
+        hints = typing.get_type_hints(target.__init__ if isinstance(target, type) else target)
+    except Exception:
+        return None
+    for key, value in settings.items():
+        hint = hints.get(str(key))
+        if not isinstance(value, str) or hint is None:
+            continue
+        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        accepted = set(typing.get_args(hint)) if union else {hint}
+        if str in accepted or not accepted & {bool, int, float}:
+            continue
+        kind = "a number" if float in accepted else "an integer" if int in accepted else "true or false"
+        return f"{group}.{key} must be {kind}, got {value!r}."
+    return None

@@ -109,6 +109,8 @@ def test_mtp_task_adds_depths(pretrained):
         (["loss.objective=mse"], "loss.objective"),
         (["data.batch_size=0"], "data.batch_size must be an integer >= 1, got 0"),
         (["trainer.max_stepz=2"], "unknown option 'trainer.max_stepz'"),
+        (["optim.lr=abc"], "optim.lr must be a number, got 'abc'"),  # a partial node: called in fit
+        (["trainer.max_steps=abc"], "trainer.max_steps must be an integer"),  # not scheduler.max_steps
     ],
 )
 def test_bad_input_is_one_line(pretrained, args, message):

@@ -24,6 +24,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from inkfw.errors import ConfigError
 from inkfw.models.inkling.model import InklingLM
+from inkfw.nodes import call_node
 from inkfw.train.strategies import checkpoint_trainable_depths, gathered_parameters
 from inkfw.train.tasks import Batch, Logs, TrainTask
 
@@ -120,10 +121,13 @@ class InklingTrainModule(L.LightningModule):
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not params:
             raise ConfigError("nothing to train: every parameter is frozen.")
-        optimizer = self.optimizer_factory(params)
+        optimizer = call_node("optim", self.optimizer_factory, params)
         if self.scheduler_factory is None:
             return optimizer
         return {
             "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "step"},
+            "lr_scheduler": {
+                "scheduler": call_node("scheduler", self.scheduler_factory, optimizer),
+                "interval": "step",
+            },
         }

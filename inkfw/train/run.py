@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from inkfw.errors import CheckpointError, ConfigError
 from inkfw.models.inkling.checkpoint import export_checkpoint
 from inkfw.models.inkling.model import InklingLM
-from inkfw.nodes import build_node
+from inkfw.nodes import build_node, check_setting_types
 from inkfw.presets import parse_dtype, resolve_path
 from inkfw.train.module import InklingTrainModule
 from inkfw.train.tasks import TrainTask
@@ -70,6 +70,10 @@ def run_train(cfg: Any) -> dict[str, Any]:
         train_config=train_config,
         activation_checkpointing=bool(cfg.get("activation_checkpointing", False)),
     )
+    # trainer, optimizer and scheduler settings of the wrong type or value fail here, in one line,
+    # before the trainer starts (the scheduler reads trainer.max_steps: the trainer's are checked first)
+    check_setting_types("trainer", cfg.trainer)
+    module.configure_optimizers()
     logger = build_node("logger", cfg.logger) if cfg.get("logger") else False
     callbacks = [
         build_node(f"callbacks.{name}", node) for name, node in (cfg.get("callbacks") or {}).items() if node is not None
