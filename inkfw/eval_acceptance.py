@@ -32,9 +32,10 @@ from rich.progress import MofNCompleteColumn, Progress
 from rich.table import Table
 
 from inkfw.errors import ConfigError
+from inkfw.options import int_option, is_int, optional_int_option
 from inkfw.paths import checkout_root
 from inkfw.presets import build_model, model_config, resolve_path
-from inkfw.prompts import is_int, max_new_tokens_option, read_prompts_file, seed_option
+from inkfw.prompts import read_prompts_file
 from inkfw.reporting import output_file, run_metrics, write_json_atomic
 from inkfw.speculative.factory import build_engine, load_tokenizer
 
@@ -130,10 +131,8 @@ def _options(cfg: Any) -> tuple[str, int | None, int, str]:
     source = str(cfg.get("prompts") or "")
     if not source:
         raise ConfigError(f"prompts must name a prompt set ({', '.join(PROMPT_SETS)}) or a .jsonl file.")
-    num_prompts = cfg.get("num_prompts")
-    if num_prompts is not None and (not is_int(num_prompts) or num_prompts < 1):
-        raise ConfigError(f"num_prompts must be null or an integer >= 1, got {num_prompts!r}.")
-    max_new = max_new_tokens_option(cfg.get("max_new_tokens", 64))
+    num_prompts = optional_int_option(cfg.get("num_prompts"), "num_prompts")
+    max_new = int_option(cfg.get("max_new_tokens", 64), "max_new_tokens")
     report_to = str(cfg.get("report_to") or "none")
     if report_to not in REPORT_TO:
         raise ConfigError(f"report_to must be one of {', '.join(REPORT_TO)}, got {report_to!r}.")
@@ -145,11 +144,9 @@ def run_eval_acceptance(cfg: Any) -> dict[str, Any]:
     what ``acceptance.json`` holds."""
     console = Console()
     source, num_prompts, max_new, report_to = _options(cfg)
-    seed_option(cfg.get("seed", 0))
-    threads = cfg.get("threads")
+    int_option(cfg.get("seed", 0), "seed", 0)
+    threads = optional_int_option(cfg.get("threads"), "threads")
     if threads is not None:
-        if not is_int(threads) or threads < 1:
-            raise ConfigError(f"threads must be null or an integer >= 1, got {threads!r}.")
         torch.set_num_threads(threads)
     out_dir = Path(str(cfg.output_dir)).expanduser()
     json_path = output_file(out_dir / "acceptance.json", "output_dir")

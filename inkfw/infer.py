@@ -23,13 +23,12 @@ from rich.console import Console
 from rich.progress import MofNCompleteColumn, Progress
 
 from inkfw.errors import ConfigError
+from inkfw.options import int_option
 from inkfw.prompts import (
     collect_prompts,
     demo_prompts,
-    max_new_tokens_option,
     no_tokenizer_message,
     prompt_token_ids,
-    seed_option,
     stop_strings,
 )
 from inkfw.reporting import (
@@ -49,9 +48,9 @@ def run_infer(cfg: Any) -> dict[str, Any]:
     plus ``num_errors`` (requests rejected or failed)."""
     console = Console()
     err = Console(stderr=True, highlight=False, soft_wrap=True)
-    max_new = max_new_tokens_option(cfg.get("max_new_tokens", 64))
+    max_new = int_option(cfg.get("max_new_tokens", 64), "max_new_tokens")
     stop = stop_strings(cfg.get("stop"))
-    seed = seed_option(cfg.get("seed", 0))
+    seed = int_option(cfg.get("seed", 0), "seed", 0)
     out = cfg.get("output")
     out_path = output_file(out.get("json") if out is not None else None, "output.json")
     items, batch = collect_prompts(cfg)

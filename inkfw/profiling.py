@@ -225,17 +225,17 @@ def report_one_token_ops(cfg: Any) -> dict[str, dict[str, float]]:
     from rich.table import Table
 
     from inkfw.errors import ConfigError
+    from inkfw.options import int_option, optional_int_option
     from inkfw.presets import build_model
 
     modes = list(cfg.modes)
     unknown = [m for m in modes if m not in FORWARD_MODES]
     if not modes or unknown:
         raise ConfigError(f"modes must be a non-empty list of {', '.join(FORWARD_MODES)}; got {modes}.")
-    context, repeats = int(cfg.context), int(cfg.repeats)
-    if context < 1 or repeats < 1:
-        raise ConfigError(f"context and repeats must be >= 1, got context={context}, repeats={repeats}.")
-    if cfg.threads is not None:
-        torch.set_num_threads(int(cfg.threads))
+    context, repeats = int_option(cfg.context, "context"), int_option(cfg.repeats, "repeats")
+    threads = optional_int_option(cfg.threads, "threads")
+    if threads is not None:
+        torch.set_num_threads(threads)
     model = build_model(cfg.model, mtp_depths=cfg.mtp.depths, dtype=cfg.dtype, device=cfg.device)
     if context + 1 > model.cfg.max_position_embeddings:
         raise ConfigError(

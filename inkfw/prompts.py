@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from inkfw.errors import ConfigError
+from inkfw.options import is_int
 from inkfw.presets import plain
 
 DEMO_TEXT_PROMPTS = (  # the shipped checkpoint was trained on Python source
@@ -39,11 +40,6 @@ class PromptItem:
 
 
 # ------------------------------------------------------------------------ options
-def is_int(x: Any) -> bool:
-    """An int that is not a bool."""
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def token_id_list(value: Any, what: str) -> list[int]:
     """``value`` as a list of ints, else a :class:`ConfigError` naming the option ``what``."""
     value = plain(value)
@@ -62,18 +58,6 @@ def stop_strings(value: Any) -> list[str]:
     if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) and s for s in value):
         raise ConfigError(f"stop must be a list of non-empty strings, got {value!r}.")
     return list(value)
-
-
-def max_new_tokens_option(value: Any, what: str = "max_new_tokens") -> int:
-    if not is_int(value) or value < 1:
-        raise ConfigError(f"{what} must be an integer >= 1, got {value!r}.")
-    return value
-
-
-def seed_option(value: Any) -> int:
-    if not is_int(value) or value < 0:
-        raise ConfigError(f"seed must be an integer >= 0, got {value!r}.")
-    return value
 
 
 # ------------------------------------------------------------------------ prompts

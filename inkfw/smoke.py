@@ -16,27 +16,31 @@ from rich.table import Table
 
 from inkfw.cache.dense import DenseModelCache
 from inkfw.errors import ConfigError
+from inkfw.options import int_option
 from inkfw.presets import build_model
 from inkfw.speculative.reference import greedy_reference_drafts
 
 
 def smoke_run(cfg: Any) -> dict[str, Any]:
     console = Console()
-    if int(cfg.max_new_tokens) < 1 or int(cfg.batch_size) < 1:
-        raise ConfigError("max_new_tokens and batch_size must be >= 1.")
+    max_new = int_option(cfg.max_new_tokens, "max_new_tokens")
+    batch_size = int_option(cfg.batch_size, "batch_size")
+    seed = int_option(cfg.seed, "seed", 0)
     model = build_model(
         cfg.model, mtp_depths=cfg.mtp.depths, dtype=cfg.dtype, device=cfg.device, embed_source=cfg.mtp.embed_source
     )
     mcfg = model.cfg
-    g = torch.Generator().manual_seed(int(cfg.seed))
+    g = torch.Generator().manual_seed(seed)
     if cfg.prompt_token_ids is not None:
-        prompt = torch.tensor([list(cfg.prompt_token_ids)] * int(cfg.batch_size), dtype=torch.long)
+        prompt = torch.tensor([list(cfg.prompt_token_ids)] * batch_size, dtype=torch.long)
     else:
-        prompt = torch.randint(3, mcfg.logits_vocab_size, (int(cfg.batch_size), int(cfg.prompt_len)), generator=g)
+        prompt = torch.randint(
+            3, mcfg.logits_vocab_size, (batch_size, int_option(cfg.prompt_len, "prompt_len")), generator=g
+        )
     if prompt.shape[1] < 1 or int(prompt.max()) >= mcfg.vocab_size or int(prompt.min()) < 0:
         raise ConfigError(f"prompt token ids must be non-empty and lie in [0, {mcfg.vocab_size}).")
     B, T0 = prompt.shape
-    total = T0 + int(cfg.max_new_tokens)
+    total = T0 + max_new
     if total > mcfg.max_position_embeddings:
         raise ConfigError(f"prompt + max_new_tokens = {total} exceeds the model limit {mcfg.max_position_embeddings}.")
     prompt = prompt.to(next(model.parameters()).device)
@@ -46,9 +50,9 @@ def smoke_run(cfg: Any) -> dict[str, Any]:
     positions = torch.arange(T0, device=prompt.device).expand(B, T0)
     t0 = time.perf_counter()
     with torch.no_grad(), Progress(console=console, transient=True) as progress:
-        task = progress.add_task("decoding", total=int(cfg.max_new_tokens))
+        task = progress.add_task("decoding", total=max_new)
         hidden = model(seq, positions, caches=cache.layers)  # prefill [B, T0, H]
-        for _ in range(int(cfg.max_new_tokens)):
+        for _ in range(max_new):
             next_tok = model.logits(hidden[:, -1]).argmax(-1, keepdim=True)  # [B, 1]
             seq = torch.cat([seq, next_tok], dim=1)
             pos = torch.full((B, 1), seq.shape[1] - 1, device=seq.device)
@@ -67,8 +71,8 @@ def smoke_run(cfg: Any) -> dict[str, Any]:
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_row("batch x prompt tokens", f"{B} x {T0}")
-    table.add_row("generated tokens", f"{B * int(cfg.max_new_tokens)}")
-    table.add_row("decode tokens/s", f"{B * int(cfg.max_new_tokens) / decode_s:.1f}")
+    table.add_row("generated tokens", f"{B * max_new}")
+    table.add_row("decode tokens/s", f"{B * max_new / decode_s:.1f}")
     table.add_row("cached vs uncached max |diff|", f"{max_diff:.2e}")
     table.add_row("cached greedy == uncached greedy", "yes" if greedy_match else "NO")
     table.add_row("MTP depths", str(model.num_mtp_depths))

@@ -103,6 +103,21 @@ def test_scripts_reject_an_unknown_option_in_one_line(tmp_path, script):
     assert out.stderr.strip() == "error: unknown option 'no_such_option'; to add a new key write +no_such_option=1."
 
 
+@pytest.mark.parametrize(
+    "script, option, message",
+    [
+        ("smoke.py", "max_new_tokens=abc", "max_new_tokens must be an integer >= 1, got 'abc'."),
+        ("count_ops.py", "repeats=abc", "repeats must be an integer >= 1, got 'abc'."),
+        ("train_tokenizer.py", "vocab_size=abc", "vocab_size must be an integer >= 260"),
+    ],
+)
+def test_text_where_a_number_belongs_is_one_line(tmp_path, script, option, message):
+    """Each of these died in ``int('abc')``'s ValueError traceback; inkfw.options checks them."""
+    out = run(script, option, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().startswith("error: " + message) and len(out.stderr.strip().splitlines()) == 1
+
+
 def test_every_script_checks_its_command_line_against_its_own_config():
     """Each script's ``__main__`` calls ``check_command_line`` (directly, or through
     ``inkfw.entrypoints``) with the config its ``@hydra.main`` app composes."""

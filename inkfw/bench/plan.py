@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from inkfw.errors import ConfigError
+from inkfw.options import is_int
 from inkfw.presets import plain
-from inkfw.prompts import is_int
 
 AUTO = "auto"  # spec.num_tokens=auto: the engine picks k each step (inkfw.speculative.adaptive)
 # engine options per mode (inkfw/conf/engine: EngineConfig.compile / cuda_graphs)

@@ -86,10 +86,10 @@ from inkfw.bench.timing import (
     profile_text,
 )
 from inkfw.errors import ConfigError
+from inkfw.options import int_option
 from inkfw.paths import config_dir
 from inkfw.presets import build_model, model_config, parse_dtype, plain, resolve_device, resolve_path
 from inkfw.profiling import FORWARD_MODES, count_aten_ops, count_host_reads, one_token_forwards, wall_time
-from inkfw.prompts import is_int, seed_option
 from inkfw.reporting import (
     bench_acceptance_plot,
     bench_markdown,
@@ -134,12 +134,6 @@ class BenchOptions:
         return plan_runs(self.drafters, self.num_tokens, self.modes, self.batch_sizes, self.hf, self.auto_modes)
 
 
-def _count(value: Any, what: str, minimum: int = 1) -> int:
-    if not is_int(value) or value < minimum:
-        raise ConfigError(f"{what} must be an integer >= {minimum}, got {value!r}.")
-    return value
-
-
 def _one_of(value: Any, what: str, options: tuple[str, ...]) -> str:
     if value not in options:
         raise ConfigError(f"{what} must be one of {', '.join(options)}, got {plain(value)!r}.")
@@ -162,7 +156,7 @@ def bench_options(cfg: Any) -> BenchOptions:
         )
     num_prompts = cfg.num_prompts
     if num_prompts is not None:
-        _count(num_prompts, "num_prompts (null: every prompt of a set)")
+        int_option(num_prompts, "num_prompts (null: every prompt of a set)")
     if cfg.spec.get("num_tokens") is not None:
         raise ConfigError(
             f"spec.num_tokens is set per run from num_tokens; give num_tokens=[{cfg.spec.num_tokens}] instead."
@@ -178,13 +172,13 @@ def bench_options(cfg: Any) -> BenchOptions:
         drafters=choices(cfg.drafters, "drafters", drafter_options()),
         num_tokens=num_tokens_list(cfg.num_tokens),
         hf=choices(cfg.hf, "hf", tuple(HF_SYSTEMS), allow_empty=True),
-        max_new_tokens=_count(cfg.max_new_tokens, "max_new_tokens"),
-        prompt_len=_count(cfg.prompt_len, "prompt_len"),
-        warmup_tokens=_count(cfg.warmup_tokens, "warmup_tokens", minimum=0),
-        repeats=_count(cfg.repeats, "repeats"),
+        max_new_tokens=int_option(cfg.max_new_tokens, "max_new_tokens"),
+        prompt_len=int_option(cfg.prompt_len, "prompt_len"),
+        warmup_tokens=int_option(cfg.warmup_tokens, "warmup_tokens", 0),
+        repeats=int_option(cfg.repeats, "repeats"),
         ignore_eos=ignore_eos,
         forward_ops=choices(cfg.forward_ops, "forward_ops", FORWARD_MODES, allow_empty=True),
-        forward_repeats=_count(cfg.forward_repeats, "forward_repeats"),
+        forward_repeats=int_option(cfg.forward_repeats, "forward_repeats"),
         interleave=_one_of(cfg.interleave, "interleave", INTERLEAVE),
         auto_modes=None
         if cfg.get("auto_modes") is None
@@ -595,10 +589,10 @@ def run_bench(cfg: Any) -> dict[str, Any]:
         console = Console(width=220)
     opts = bench_options(cfg)
     runs = opts.runs()
-    seed = seed_option(cfg.seed)
-    block_size = _count(cfg.kv.block_size, "kv.block_size")
+    seed = int_option(cfg.seed, "seed", 0)
+    block_size = int_option(cfg.kv.block_size, "kv.block_size")
     if cfg.threads is not None:
-        torch.set_num_threads(_count(cfg.threads, "threads (null: torch's default)"))
+        torch.set_num_threads(int_option(cfg.threads, "threads (null: torch's default)"))
     greedy = _greedy(cfg)
     mcfg = model_config(cfg.model)
     if opts.hf:
@@ -781,6 +775,8 @@ def _write_outputs(console: Console, cfg: Any, out: Path, report: dict[str, Any]
     for case in cases.values():
         for set_name, profiler in case.profilers.items():
             path = out / f"profile-{set_name}-{case.run.name.replace(' ', '-')}.txt"
-            text = profile_text(profiler.profiler, rows[(set_name, case.run.name)], int(cfg.profile_lines))
+            text = profile_text(
+                profiler.profiler, rows[(set_name, case.run.name)], int_option(cfg.profile_lines, "profile_lines")
+            )
             written.append(write_text_atomic(path, text, "output_dir"))
     console.print("wrote " + ", ".join(str(p) for p in written), markup=False, highlight=False)

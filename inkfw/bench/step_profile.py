@@ -29,6 +29,7 @@ from rich.table import Table
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from inkfw.errors import ConfigError
+from inkfw.options import int_option, optional_int_option
 from inkfw.profiling import quiet_profile
 from inkfw.speculative.step import StepFunction
 
@@ -194,14 +195,14 @@ def report_step_profile(cfg: Any) -> dict[str, Any]:
     from omegaconf import open_dict
 
     from inkfw.bench.prompt_sets import batch_requests, load_prompt_set
-    from inkfw.bench.run import _count
     from inkfw.reporting import write_json_atomic
     from inkfw.speculative.factory import build_engine
 
     for name in ("steps", "batch_size", "max_new_tokens", "top"):
-        _count(cfg[name], name)
-    if cfg.threads is not None:
-        torch.set_num_threads(int(cfg.threads))
+        int_option(cfg[name], name)
+    threads = optional_int_option(cfg.threads, "threads")
+    if threads is not None:
+        torch.set_num_threads(threads)
     with open_dict(cfg):
         cfg.engine.max_num_seqs = cfg.batch_size
     if bool(cfg.engine.compile):  # name inductor's kernels in the profile (set before anything compiles)

@@ -25,6 +25,7 @@ from rich.table import Table
 
 from inkfw.errors import ConfigError
 from inkfw.llm import LLM
+from inkfw.options import int_option, is_int
 from inkfw.presets import plain
 from inkfw.speculative.factory import build_engine, serving_config
 
@@ -148,12 +149,9 @@ def _options(cfg: Any) -> tuple[list[str], list[int], int, int]:
     max_tokens: Any = b.get("max_tokens")
     if not drafters or not all(isinstance(d, str) for d in drafters):
         raise ConfigError(f"bench.drafters must be a list of inkfw/conf/drafter options, got {drafters!r}.")
-    if not levels or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in levels):
+    if not levels or not all(is_int(c) and c >= 1 for c in levels):
         raise ConfigError(f"bench.concurrency must be a list of integers >= 1, got {levels!r}.")
-    for name, v in (("bench.num_requests", n), ("bench.max_tokens", max_tokens)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ConfigError(f"{name} must be an integer >= 1, got {v!r}.")
-    return drafters, levels, int(n), int(max_tokens)
+    return drafters, levels, int_option(n, "bench.num_requests"), int_option(max_tokens, "bench.max_tokens")
 
 
 def run_server_bench(cfg: DictConfig) -> list[LevelResult]:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inkfw.llm import RequestOutput
+from inkfw.options import is_int
 from inkfw.speculative.sampling import SamplingParams
 
 MAX_SEED = 2**64
@@ -43,10 +44,6 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _is_number(x: Any) -> bool:
@@ -121,7 +118,7 @@ def generation_options(
     docstring); absent ones take the server's defaults."""
     n = body.get("n")
     if n is not None:
-        if not _is_int(n):
+        if not is_int(n):
             raise _wrong_type("n", "an integer", n)
         if n != 1:
             raise APIError(400, f"only n=1 is supported, got n={n}.", "n")
@@ -139,7 +136,7 @@ def generation_options(
         value = body.get(name)
         if value is None:
             continue
-        if not _is_int(value):
+        if not is_int(value):
             raise _wrong_type(name, "an integer", value)
         if value < 1:
             raise APIError(400, f"'{name}' must be at least 1, got {value}.", name)
@@ -153,14 +150,14 @@ def generation_options(
         raise APIError(400, f"'top_p' must lie in (0, 1], got {body['top_p']}.", "top_p")
     top_k = body.get("top_k")
     if top_k is not None:
-        if not _is_int(top_k):
+        if not is_int(top_k):
             raise _wrong_type("top_k", "an integer", top_k)
         if top_k < -1:
             raise APIError(400, f"'top_k' must be -1, 0 (off) or a positive integer, got {top_k}.", "top_k")
         top_k = top_k if top_k > 0 else None
     seed = body.get("seed")
     if seed is not None:
-        if not _is_int(seed):
+        if not is_int(seed):
             raise _wrong_type("seed", "an integer", seed)
         if not 0 <= seed < MAX_SEED:
             raise APIError(400, f"'seed' must lie in [0, 2**64), got {seed}.", "seed")
@@ -211,7 +208,7 @@ def completion_prompt(body: dict[str, Any]) -> str | list[int]:
     if isinstance(prompt, list):
         if not prompt:
             raise APIError(400, "the prompt is empty.", "prompt")
-        if all(_is_int(t) for t in prompt):
+        if all(is_int(t) for t in prompt):
             return list(prompt)
         if all(isinstance(p, (str, list)) for p in prompt):
             raise APIError(400, f"only one prompt per request is supported, got {len(prompt)}.", "prompt")

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from inkfw.errors import ConfigError
+from inkfw.options import int_option, is_int
 from inkfw.speculative.adaptive import AdaptiveK, fit_step_costs
 from inkfw.speculative.interfaces import (
     Drafter,
@@ -58,10 +59,6 @@ class DraftCheckError(RuntimeError):
     """``engine.check_drafts``: a draft differs from the uncached reference."""
 
 
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 @dataclass
 class EngineConfig:
     """Scheduling limits and checks of the engine: the ``inkfw/conf/engine`` node, every field settable
@@ -81,10 +78,9 @@ class EngineConfig:
         """Raise :class:`ConfigError` (one sentence) naming the first field out of range."""
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
-            if not _is_int(v) or v < 1:
-                raise ConfigError(f"engine.{name} must be an integer >= 1, got {v!r}.")
+            int_option(v, f"engine.{name}")
         m = self.max_model_len
-        if m is not None and (not _is_int(m) or m < 2):
+        if m is not None and (not is_int(m) or m < 2):
             raise ConfigError(
                 f"engine.max_model_len must be null or an integer >= 2 (null: the model's "
                 f"max_position_embeddings), got {m!r}."
@@ -96,7 +92,7 @@ class EngineConfig:
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"engine.{name} must be null, true or false, got {getattr(self, name)!r}.")
         buckets = tuple(self.batch_buckets) if not isinstance(self.batch_buckets, (str, int)) else ()
-        if not buckets or not all(_is_int(b) and b >= 1 for b in buckets):
+        if not buckets or not all(is_int(b) and b >= 1 for b in buckets):
             raise ConfigError(f"engine.batch_buckets must be a list of integers >= 1, got {self.batch_buckets!r}.")
         self.batch_buckets = tuple(sorted(set(buckets)))
         atol = self.check_drafts_atol

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from inkfw.checkpoint import read_tokenizer
 from inkfw.errors import ConfigError
+from inkfw.options import int_option
 
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".jsonl", ".json", ".c", ".h", ".cfg", ".toml", ".yaml", ".yml"}
 STDLIB = "stdlib"
@@ -316,8 +317,7 @@ class SplitDataModule(L.LightningDataModule):
     def set_loading(self, batch_size: int, seed: int, num_workers: int) -> None:
         """Check and keep the loaders' settings (``data.batch_size``, ``data.seed``, ``data.num_workers``)."""
         for name, value, least in (("batch_size", batch_size, 1), ("num_workers", num_workers, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ConfigError(f"data.{name} must be an integer >= {least}, got {value!r}.")
+            int_option(value, f"data.{name}", least)
         self.batch_size, self.seed, self.num_workers = batch_size, seed, num_workers
 
     def _split(self, name: str) -> TensorDataset:
@@ -452,7 +452,11 @@ def heldout_prompts(
 def write_heldout_prompts(cfg) -> Path:
     """``scripts/heldout_prompts.py``: held-out prompts as JSON lines, from ``inkfw/conf/heldout_prompts.yaml``."""
     rows = heldout_prompts(
-        list(cfg.sources), float(cfg.val_fraction), int(cfg.seed), int(cfg.num_prompts), int(cfg.prompt_chars)
+        list(cfg.sources),
+        float(cfg.val_fraction),
+        int_option(cfg.seed, "seed", 0),
+        int_option(cfg.num_prompts, "num_prompts"),
+        int_option(cfg.prompt_chars, "prompt_chars"),
     )
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -41,6 +41,7 @@ from rich.progress import MofNCompleteColumn, Progress
 
 from inkfw.errors import ConfigError
 from inkfw.nodes import build_node
+from inkfw.options import int_option, optional_int_option
 from inkfw.presets import parse_dtype, plain, resolve_path
 from inkfw.reporting import output_file, write_text_atomic
 from inkfw.speculative.factory import build_engine
@@ -90,20 +91,6 @@ def cut_prompts(
     return prompts
 
 
-def _optional_int(cfg: Any, name: str, minimum: int) -> int | None:
-    value = cfg.get(name)
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < minimum):
-        raise ConfigError(f"{name} must be null or an integer >= {minimum}, got {value!r}.")
-    return value
-
-
-def _int(cfg: Any, name: str, minimum: int) -> int:
-    value = cfg.get(name)
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}.")
-    return value
-
-
 def _tokenizer_path(cfg: Any) -> Path | None:
     """``data.tokenizer``, else the checkpoint's ``tokenizer.json``, else None."""
     if cfg.data.get("tokenizer"):
@@ -142,7 +129,12 @@ def hidden_dump_options(cfg: Any, out: Path) -> HiddenDump | None:
         dtype = parse_dtype(str(name))
     except ConfigError as exc:
         raise ConfigError(f"hidden_dtype must be bfloat16, float32 or float16, got {name!r}.") from exc
-    return HiddenDump(out_dir, _int(cfg, "hidden_batch_size", 1), _int(cfg, "hidden_shard_size", 1), dtype)
+    return HiddenDump(
+        out_dir,
+        int_option(cfg.get("hidden_batch_size"), "hidden_batch_size"),
+        int_option(cfg.get("hidden_shard_size"), "hidden_shard_size"),
+        dtype,
+    )
 
 
 def jsonl_split(out: Path, num_lines: int, val_fraction: float, seed: int) -> dict[str, list[int]]:
@@ -180,11 +172,11 @@ def run_generate_data(cfg: Any) -> dict[str, Any]:
     if out is None:
         raise ConfigError("out is not set; give the output file, e.g. out=runs/generated/data.jsonl.")
     hidden = hidden_dump_options(cfg, out)
-    num_prompts = _optional_int(cfg, "num_prompts", 1)
-    prompt_tokens = _int(cfg, "prompt_tokens", 1)
-    stride = _optional_int(cfg, "prompt_stride", 1)
-    max_new_tokens = _int(cfg, "max_new_tokens", 1)
-    seed = _int(cfg, "seed", 0)
+    num_prompts = optional_int_option(cfg.get("num_prompts"), "num_prompts")
+    prompt_tokens = int_option(cfg.get("prompt_tokens"), "prompt_tokens")
+    stride = optional_int_option(cfg.get("prompt_stride"), "prompt_stride")
+    max_new_tokens = int_option(cfg.get("max_new_tokens"), "max_new_tokens")
+    seed = int_option(cfg.get("seed"), "seed", 0)
     torch.manual_seed(seed)
 
     engine, _ = build_engine(cfg)

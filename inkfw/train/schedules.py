@@ -18,11 +18,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 from inkfw.errors import ConfigError
-
-
-def _check_warmup(warmup_steps: int) -> None:
-    if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
-        raise ConfigError(f"scheduler.warmup_steps must be an integer >= 0, got {warmup_steps!r}.")
+from inkfw.options import int_option
 
 
 def cosine_factor(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
@@ -44,7 +40,7 @@ def constant_factor(step: int, warmup_steps: int) -> float:
 def warmup_cosine(
     optimizer: Optimizer, warmup_steps: int = 20, max_steps: int = 1000, min_lr_ratio: float = 0.1
 ) -> LambdaLR:
-    _check_warmup(warmup_steps)
+    int_option(warmup_steps, "scheduler.warmup_steps", 0)
     if not 0 <= min_lr_ratio <= 1:
         raise ConfigError(f"scheduler.min_lr_ratio must lie in [0, 1], got {min_lr_ratio}.")
     return LambdaLR(
@@ -54,5 +50,5 @@ def warmup_cosine(
 
 
 def warmup_constant(optimizer: Optimizer, warmup_steps: int = 20) -> LambdaLR:
-    _check_warmup(warmup_steps)
+    int_option(warmup_steps, "scheduler.warmup_steps", 0)
     return LambdaLR(optimizer, partial(constant_factor, warmup_steps=warmup_steps))

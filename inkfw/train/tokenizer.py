@@ -10,14 +10,15 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from inkfw.errors import ConfigError
+from inkfw.options import is_int
 from inkfw.train.data import read_documents
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]
 
 
 def train_tokenizer(sources: list[str], vocab_size: int, out: str | Path, max_documents: int | None = None) -> Path:
-    if vocab_size < 260:
-        raise ConfigError(f"vocab_size must be >= 260 (256 bytes + special tokens), got {vocab_size}.")
+    if not is_int(vocab_size) or vocab_size < 260:
+        raise ConfigError(f"vocab_size must be an integer >= 260 (256 bytes + special tokens), got {vocab_size!r}.")
     docs = read_documents(sources)[:max_documents]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -37,6 +38,6 @@ def train_tokenizer(sources: list[str], vocab_size: int, out: str | Path, max_do
 
 def run_train_tokenizer(cfg) -> Path:
     """``scripts/train_tokenizer.py``: train and save, from ``inkfw/conf/train_tokenizer.yaml``."""
-    out = train_tokenizer(list(cfg.sources), int(cfg.vocab_size), cfg.out, cfg.max_documents)
+    out = train_tokenizer(list(cfg.sources), cfg.vocab_size, cfg.out, cfg.max_documents)
     print(f"wrote {out}")
     return out

@@ -1,0 +1,28 @@
+"""Checks of a program's numeric options (Hydra settings): a value of the wrong type or out of
+range is one :class:`~inkfw.errors.ConfigError` sentence naming the option, never a traceback
+from ``int('abc')`` further on."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from inkfw.errors import ConfigError
+
+
+def is_int(x: Any) -> bool:
+    """An int that is not a bool."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def int_option(value: Any, what: str, minimum: int = 1) -> int:
+    """``value`` if it is an integer >= ``minimum``; else one sentence naming ``what``."""
+    if not is_int(value) or value < minimum:
+        raise ConfigError(f"{what} must be an integer >= {minimum}, got {value!r}.")
+    return value
+
+
+def optional_int_option(value: Any, what: str, minimum: int = 1) -> int | None:
+    """:func:`int_option`, where null (None) is allowed too."""
+    if value is not None and (not is_int(value) or value < minimum):
+        raise ConfigError(f"{what} must be null or an integer >= {minimum}, got {value!r}.")
+    return value

@@ -1,0 +1,26 @@
+"""inkfw.options: the numeric option checks every program shares."""
+
+from __future__ import annotations
+
+import pytest
+
+from inkfw.errors import ConfigError
+from inkfw.options import int_option, is_int, optional_int_option
+
+
+def test_integers_at_or_above_the_minimum_pass():
+    assert int_option(3, "steps") == 3 and int_option(0, "seed", 0) == 0
+    assert optional_int_option(None, "threads") is None and optional_int_option(2, "threads") == 2
+    assert is_int(5) and not is_int(True) and not is_int(2.0) and not is_int("2")
+
+
+@pytest.mark.parametrize("value", ["abc", "3", 2.5, True, 0, -1, None])
+def test_anything_else_is_one_sentence_naming_the_option(value):
+    with pytest.raises(ConfigError, match=rf"^steps must be an integer >= 1, got {value!r}\.$"):
+        int_option(value, "steps")
+
+
+@pytest.mark.parametrize("value", ["abc", False, 0])
+def test_null_is_the_only_extra_value_an_optional_option_takes(value):
+    with pytest.raises(ConfigError, match=rf"^threads must be null or an integer >= 1, got {value!r}\.$"):
+        optional_int_option(value, "threads")
