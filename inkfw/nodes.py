@@ -91,7 +91,10 @@ def mistyped_setting(group: str, target: Any, settings: Mapping[str, Any]) -> st
         if not isinstance(value, str) or hint is None:
             continue
         union = typing.get_origin(hint) in (typing.Union, types.UnionType)
-        accepted = set(typing.get_args(hint)) if union else {hint}
+        accepted: set[Any] = set()
+        for arg in typing.get_args(hint) if union else (hint,):  # Literal["all"] takes text, Literal[16] a number
+            is_literal = typing.get_origin(arg) is typing.Literal
+            accepted |= {type(v) for v in typing.get_args(arg)} if is_literal else {arg}
         if str in accepted or not accepted & {bool, int, float}:
             continue
         kind = "a number" if float in accepted else "an integer" if int in accepted else "true or false"

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -71,10 +73,13 @@ def test_a_partial_node_whose_call_fails_names_the_setting(setting, message):
 
 
 def test_only_text_where_the_signature_takes_no_text_is_mistyped():
-    def target(steps: int, ratio: float | None, name: str, either: int | str, flag: bool, loose=1):
+    def target(
+        steps: int, ratio: float | None, name: str, either: int | str, flag: bool, mode: Literal["all"] | bool, loose=1
+    ):
         raise AssertionError("never called")
 
-    assert mistyped_setting("g", target, {"name": "x", "either": "x", "loose": "x", "steps": 3}) is None
+    settings = {"name": "x", "either": "x", "loose": "x", "steps": 3, "mode": "all"}
+    assert mistyped_setting("g", target, settings) is None
     assert mistyped_setting("g", target, {"ratio": "x"}) == "g.ratio must be a number, got 'x'."
     assert mistyped_setting("g", target, {"flag": "x"}) == "g.flag must be true or false, got 'x'."
     assert mistyped_setting("g", len, {"obj": "x"}) is None  # no type hints to read

@@ -111,6 +111,7 @@ def test_mtp_task_adds_depths(pretrained):
         (["trainer.max_stepz=2"], "unknown option 'trainer.max_stepz'"),
         (["optim.lr=abc"], "optim.lr must be a number, got 'abc'"),  # a partial node: called in fit
         (["trainer.max_steps=abc"], "trainer.max_steps must be an integer"),  # not scheduler.max_steps
+        (["data.seq_len=abc"], "data.seq_len must be an integer, got 'abc'"),  # checked before the data is read
     ],
 )
 def test_bad_input_is_one_line(pretrained, args, message):

@@ -210,8 +210,8 @@ def is_validation(doc: Document, val_fraction: float, seed: int = 0) -> bool:
 def split_documents(
     docs: Sequence[Document], val_fraction: float, seed: int = 0
 ) -> tuple[list[Document], list[Document]]:
-    if not 0 <= val_fraction < 1:
-        raise ConfigError(f"data.val_fraction must lie in [0, 1), got {val_fraction}.")
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
+        raise ConfigError(f"data.val_fraction must lie in [0, 1), got {val_fraction!r}.")
     train, val = [], []
     for d in docs:
         (val if is_validation(d, val_fraction, seed) else train).append(d)
@@ -453,7 +453,7 @@ def write_heldout_prompts(cfg) -> Path:
     """``scripts/heldout_prompts.py``: held-out prompts as JSON lines, from ``inkfw/conf/heldout_prompts.yaml``."""
     rows = heldout_prompts(
         list(cfg.sources),
-        float(cfg.val_fraction),
+        cfg.val_fraction,
         int_option(cfg.seed, "seed", 0),
         int_option(cfg.num_prompts, "num_prompts"),
         int_option(cfg.prompt_chars, "prompt_chars"),

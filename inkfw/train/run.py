@@ -37,6 +37,13 @@ def build_task_model(cfg: Any) -> tuple[TrainTask, InklingLM, Path | None]:
 
 def run_train(cfg: Any) -> dict[str, Any]:
     L.seed_everything(int(cfg.seed), workers=True, verbose=False)
+    # a setting given as text where its node's target takes a number fails here, in one line,
+    # before anything is built (the scheduler reads trainer.max_steps: the trainer's come first)
+    nodes = {group: cfg.get(group) for group in ("trainer", "task", "data", "optim", "scheduler", "logger")}
+    nodes |= {f"callbacks.{name}": node for name, node in (cfg.get("callbacks") or {}).items()}
+    for group, node in nodes.items():
+        if node is not None:
+            check_setting_types(group, node)
     # the run as asked, before anything is built; saved in every checkpoint
     train_config = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))
     task, model, ckpt_tokenizer = build_task_model(cfg)
@@ -70,10 +77,7 @@ def run_train(cfg: Any) -> dict[str, Any]:
         train_config=train_config,
         activation_checkpointing=bool(cfg.get("activation_checkpointing", False)),
     )
-    # trainer, optimizer and scheduler settings of the wrong type or value fail here, in one line,
-    # before the trainer starts (the scheduler reads trainer.max_steps: the trainer's are checked first)
-    check_setting_types("trainer", cfg.trainer)
-    module.configure_optimizers()
+    module.configure_optimizers()  # optimizer and scheduler settings out of range fail here, in one line
     logger = build_node("logger", cfg.logger) if cfg.get("logger") else False
     callbacks = [
         build_node(f"callbacks.{name}", node) for name, node in (cfg.get("callbacks") or {}).items() if node is not None
