@@ -16,6 +16,7 @@ from typing import Any
 from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
 
+from inkfw.cli_args import one_line
 from inkfw.errors import ConfigError, InkfwError
 
 
@@ -28,7 +29,7 @@ def build_node(group: str, node: Any, **kwargs: Any) -> Any:
         cause = exc.__cause__
         if isinstance(cause, InkfwError):
             raise cause from None
-        detail = one_line(cause if cause is not None else exc)
+        detail = one_line(cause if cause is not None else exc).rstrip(".")
         target = node.get("_target_") if hasattr(node, "get") else None
         raise ConfigError(
             mistyped_node_setting(group, node) or f"{group}: cannot build {target!r} ({detail})."
@@ -46,16 +47,10 @@ def call_node(group: str, factory: Callable[..., Any], *args: Any) -> Any:
     except (TypeError, ValueError, IndexError) as exc:
         func, settings = (factory.func, factory.keywords) if isinstance(factory, partial) else (factory, {})
         name = f"{getattr(func, '__module__', '')}.{getattr(func, '__qualname__', func)!s}".lstrip(".")
+        detail = one_line(exc).rstrip(".")
         raise ConfigError(
-            mistyped_setting(group, func, settings) or f"{group}: cannot build {name!r} ({one_line(exc)})."
+            mistyped_setting(group, func, settings) or f"{group}: cannot build {name!r} ({detail})."
         ) from exc
-
-
-def one_line(exc: BaseException) -> str:
-    """An exception's message on one line, without OmegaConf's ``full_key: ...`` context lines
-    or a closing full stop (the caller's sentence ends it)."""
-    lines = str(exc).splitlines()
-    return " ".join(ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("full_key")).rstrip(".")
 
 
 def check_setting_types(group: str, node: Any) -> None:

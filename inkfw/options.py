@@ -14,6 +14,11 @@ def is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def is_number(x: Any) -> bool:
+    """An int or a float that is not a bool."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def int_option(value: Any, what: str, minimum: int = 1) -> int:
     """``value`` if it is an integer >= ``minimum``; else one sentence naming ``what``."""
     if not is_int(value) or value < minimum:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inkfw.llm import RequestOutput
-from inkfw.options import is_int
+from inkfw.options import is_int, is_number
 from inkfw.speculative.sampling import SamplingParams
 
 MAX_SEED = 2**64
@@ -44,10 +44,6 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _wrong_type(param: str, expected: str, value: Any) -> APIError:
@@ -94,7 +90,7 @@ def _optional_number(body: dict[str, Any], name: str) -> float | None:
     value = body.get(name)
     if value is None:
         return None
-    if not _is_number(value) or not math.isfinite(value):
+    if not is_number(value) or not math.isfinite(value):
         raise _wrong_type(name, "a number", value)
     return float(value)
 

@@ -30,14 +30,11 @@ from dataclasses import dataclass
 import torch
 
 from inkfw.errors import ConfigError
+from inkfw.options import is_number
 
 Generators = torch.Generator | Sequence[torch.Generator | None] | None
 
 _MAX_SEED = 2**64  # torch.Generator.manual_seed accepts 0 .. 2**64 - 1
-
-
-def _is_number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -66,11 +63,11 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first field that is out of range."""
         t, k, p, s = self.temperature, self.top_k, self.top_p, self.seed
-        if not (_is_number(t) and math.isfinite(t) and t >= 0):
+        if not (is_number(t) and math.isfinite(t) and t >= 0):
             raise ConfigError(f"sampler: temperature must be a finite number >= 0 (0 = greedy), got {t!r}.")
         if k is not None and not (isinstance(k, int) and not isinstance(k, bool) and k >= 0):
             raise ConfigError(f"sampler: top_k must be an integer >= 0 (0 or null = off), got {k!r}.")
-        if not (_is_number(p) and 0 < p <= 1):
+        if not (is_number(p) and 0 < p <= 1):
             raise ConfigError(f"sampler: top_p must lie in (0, 1] (1 = off), got {p!r}.")
         if s is not None and not (isinstance(s, int) and not isinstance(s, bool) and 0 <= s < _MAX_SEED):
             raise ConfigError(f"sampler: seed must be null or an integer in [0, 2**64), got {s!r}.")

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from inkfw.checkpoint import read_tokenizer
 from inkfw.errors import ConfigError
-from inkfw.options import int_option
+from inkfw.options import int_option, is_number
 
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".jsonl", ".json", ".c", ".h", ".cfg", ".toml", ".yaml", ".yml"}
 STDLIB = "stdlib"
@@ -210,7 +210,7 @@ def is_validation(doc: Document, val_fraction: float, seed: int = 0) -> bool:
 def split_documents(
     docs: Sequence[Document], val_fraction: float, seed: int = 0
 ) -> tuple[list[Document], list[Document]]:
-    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
+    if not is_number(val_fraction) or not 0 <= val_fraction < 1:
         raise ConfigError(f"data.val_fraction must lie in [0, 1), got {val_fraction!r}.")
     train, val = [], []
     for d in docs:
