@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from inkfw.errors import InkfwError
+from inkfw.options import bool_option
 
 EXIT_USER_ERROR = 2
 
@@ -17,10 +18,12 @@ def run_user_command(fn: Callable[[Any], Any], cfg: Any) -> Any:
 
     With ``debug=true`` the full traceback is shown instead.
     """
+    debug = False
     try:
+        debug = bool_option(cfg.get("debug", False), "debug")  # first: it decides how other errors read
         return fn(cfg)
     except InkfwError as exc:
-        if bool(cfg.get("debug", False)):
+        if debug:
             raise
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)

@@ -32,7 +32,7 @@ from rich.progress import MofNCompleteColumn, Progress
 from rich.table import Table
 
 from inkfw.errors import ConfigError
-from inkfw.options import int_option, is_int, optional_int_option
+from inkfw.options import bool_option, int_option, is_int, optional_int_option
 from inkfw.paths import checkout_root
 from inkfw.presets import build_model, model_config, resolve_path
 from inkfw.prompts import read_prompts_file
@@ -144,7 +144,10 @@ def run_eval_acceptance(cfg: Any) -> dict[str, Any]:
     what ``acceptance.json`` holds."""
     console = Console()
     source, num_prompts, max_new, report_to = _options(cfg)
-    int_option(cfg.get("seed", 0), "seed", 0)
+    seed = int_option(cfg.get("seed", 0), "seed", 0)
+    warmup = bool_option(cfg.get("warmup", True), "warmup")
+    baseline = bool_option(cfg.get("baseline", True), "baseline")
+    bool_option((cfg.get("wandb") or {}).get("offline", True), "wandb.offline")
     threads = optional_int_option(cfg.get("threads"), "threads")
     if threads is not None:
         torch.set_num_threads(threads)
@@ -160,7 +163,7 @@ def run_eval_acceptance(cfg: Any) -> dict[str, Any]:
         raise ConfigError(f"mtp.depths must be an integer in [1, {shipped}] (the depths that ship), got {depths!r}.")
     tokenizer = load_tokenizer(cfg.model)
     prompts = load_prompts(source, tokenizer)[:num_prompts]
-    torch.manual_seed(int(cfg.get("seed", 0)))
+    torch.manual_seed(seed)
     model = build_model(
         cfg.model,
         mtp_depths=depths,
@@ -169,14 +172,14 @@ def run_eval_acceptance(cfg: Any) -> dict[str, Any]:
         embed_source=cfg.mtp.get("embed_source", "backbone_norm"),
     ).eval()
 
-    runs = acceptance_runs(depths, bool(cfg.get("baseline", True)))
+    runs = acceptance_runs(depths, baseline)
     rows: list[dict[str, Any]] = []
 
     def engine_for(run: AcceptanceRun):
         run_cfg = OmegaConf.merge(cfg, {"mtp": {"depths": run.depths}, "spec": {"num_tokens": run.num_tokens}})
         return build_engine(run_cfg, model=model, tokenizer=tokenizer)[0]
 
-    if prompts and cfg.get("warmup", True):  # first-call costs stay out of the first run's tokens/s
+    if prompts and warmup:  # first-call costs stay out of the first run's tokens/s
         warm = engine_for(runs[-1])
         warm.generate([warm.add_request(prompts[0], max_new_tokens=min(4, max_new))])
     with Progress(*Progress.get_default_columns(), MofNCompleteColumn(), console=console, transient=True) as progress:

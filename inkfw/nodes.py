@@ -22,7 +22,10 @@ from inkfw.errors import ConfigError, InkfwError
 
 def build_node(group: str, node: Any, **kwargs: Any) -> Any:
     """``instantiate(node, **kwargs)``; inkfw's own errors pass through, Hydra's become one
-    :class:`ConfigError` naming the group and the target."""
+    :class:`ConfigError` naming the group and the target. A setting given as text where the
+    target takes a number or a boolean (``kv.enable_prefix_caching=maybe``, which the target
+    would take as true) is refused first (:func:`check_setting_types`)."""
+    check_setting_types(group, node)
     try:
         return instantiate(node, **kwargs)
     except InstantiationException as exc:
@@ -31,9 +34,7 @@ def build_node(group: str, node: Any, **kwargs: Any) -> Any:
             raise cause from None
         detail = one_line(cause if cause is not None else exc).rstrip(".")
         target = node.get("_target_") if hasattr(node, "get") else None
-        raise ConfigError(
-            mistyped_node_setting(group, node) or f"{group}: cannot build {target!r} ({detail})."
-        ) from exc
+        raise ConfigError(f"{group}: cannot build {target!r} ({detail}).") from exc
 
 
 def call_node(group: str, factory: Callable[..., Any], *args: Any) -> Any:
@@ -73,14 +74,11 @@ def mistyped_node_setting(group: str, node: Any) -> str | None:
 
 
 def mistyped_setting(group: str, target: Any, settings: Mapping[str, Any]) -> str | None:
-    """For a node that failed to build: the first setting given as text where the target's
-    signature takes only numbers or booleans (``trainer.max_steps=abc``, whose own error reads
-    ``'<' not supported between instances of 'str' and 'int'``), as one sentence; None when
-    there is none or the target's type hints cannot be read."""
-    try:
-        hints = typing.get_type_hints(target.__init__ if isinstance(target, type) else target)
-    except Exception:
-        return None
+    """The first setting given as text where the target's signature takes only numbers or
+    booleans (``trainer.max_steps=abc``, whose own error reads ``'<' not supported between
+    instances of 'str' and 'int'``), as one sentence; None when there is none or the target's
+    type hints cannot be read."""
+    hints = setting_hints(target)
     for key, value in settings.items():
         hint = hints.get(str(key))
         if not isinstance(value, str) or hint is None:
@@ -93,5 +91,36 @@ def mistyped_setting(group: str, target: Any, settings: Mapping[str, Any]) -> st
         if str in accepted or not accepted & {bool, int, float}:
             continue
         kind = "a number" if float in accepted else "an integer" if int in accepted else "true or false"
+        if type(None) in accepted:  # the messages of inkfw.options' optional_* checks
+            kind = "null, true or false" if kind == "true or false" else f"null or {kind}"
         return f"{group}.{key} must be {kind}, got {value!r}."
     return None
+
+
+def setting_hints(target: Any) -> dict[str, Any]:
+    """The type hints of ``target``'s parameters. A class: those of its ``__init__`` and of its
+    bases' (a subclass that passes ``**kwargs`` on takes its bases' settings). Where one hint
+    names what only type checkers import (``kernels: Kernels | None``), the others are read one
+    by one and that one is left out; {} where none can be read."""
+    if isinstance(target, type):
+        hints: dict[str, Any] = {}
+        for cls in reversed(target.__mro__):
+            if "__init__" in vars(cls) and cls is not object:
+                hints |= _function_hints(vars(cls)["__init__"])
+        return hints
+    return _function_hints(target)
+
+
+def _function_hints(fn: Any) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(fn)
+    except Exception:
+        pass
+    namespace = getattr(fn, "__globals__", {})
+    hints: dict[str, Any] = {}
+    for name, hint in getattr(fn, "__annotations__", {}).items():
+        try:
+            hints[name] = eval(hint, namespace) if isinstance(hint, str) else hint
+        except Exception:
+            continue
+    return hints

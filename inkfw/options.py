@@ -31,3 +31,18 @@ def optional_int_option(value: Any, what: str, minimum: int = 1) -> int | None:
     if value is not None and (not is_int(value) or value < minimum):
         raise ConfigError(f"{what} must be null or an integer >= {minimum}, got {value!r}.")
     return value
+
+
+def bool_option(value: Any, what: str) -> bool:
+    """``value`` if it is true or false; else one sentence naming ``what`` (``bool('maybe')`` is
+    True, so a mistyped switch would otherwise turn itself on)."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{what} must be true or false, got {value!r}.")
+    return value
+
+
+def optional_bool_option(value: Any, what: str) -> bool | None:
+    """:func:`bool_option`, where null (None) is allowed too."""
+    if value is not None and not isinstance(value, bool):
+        raise ConfigError(f"{what} must be null, true or false, got {value!r}.")
+    return value

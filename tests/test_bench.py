@@ -573,6 +573,8 @@ def test_gpu_session_stages_parse_and_refuse_to_run_off_the_gpu(tmp_path):
         (["modes=[eager,turbo]"], "modes must be a list drawn from eager, compiled, graphs, compiled_graphs"),
         (["num_tokens=[2,0]"], "num_tokens must be a non-empty list of integers >= 1 and/or auto"),
         (["interleave=prompt"], "interleave must be one of set, batch, got 'prompt'"),
+        (["plot=maybe"], "plot must be true or false, got 'maybe'"),
+        (["profile_lines=abc"], "profile_lines must be an integer >= 1"),  # was read after the runs
         (["hf=[generate,vllm]"], "hf must be a list drawn from generate, generate_mtp"),
         (["spec.num_tokens=4"], "give num_tokens=[4] instead"),
         (["num_prompts=0"], "num_prompts"),

@@ -93,6 +93,7 @@ def test_runs_are_k_1_to_d_then_depth0_reuse():
         ("num_prompts=0", "num_prompts"),
         ("report_to=tensorboard", "report_to must be one of"),
         ("max_new_tokens=0", "max_new_tokens"),
+        ("baseline=maybe", "baseline must be true or false, got 'maybe'"),
     ],
 )
 def test_bad_options_are_one_sentence(tmp_path, override, message):

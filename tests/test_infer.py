@@ -321,6 +321,8 @@ def test_text_prompts_stop_strings_and_demo_with_tokenizer(ckpt_with_tokenizer, 
         (["engine.cuda_graphs=true"], ConfigError, "needs the model on a CUDA device"),
         (["engine.compile=true", "engine.pad_batches=false"], ConfigError, "pad_batches=false needs eager steps"),
         (["kv.block_size=0"], ConfigError, "kv.block_size"),
+        # the cache would take 'maybe' as true
+        (["kv.enable_prefix_caching=maybe"], ConfigError, "kv.enable_prefix_caching must be true or false"),
         (["prompts_file=/nonexistent/p.jsonl"], ConfigError, "file not found"),
         (["prompt_token_ids=[1,2]", "prompts_file=/x.jsonl"], ConfigError, "only one of"),
         (["dtype=float64"], ConfigError, "dtype"),

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Literal
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from inkfw.errors import ConfigError
-from inkfw.nodes import build_node, call_node, check_setting_types, mistyped_setting
+from inkfw.nodes import build_node, call_node, check_setting_types, mistyped_setting, setting_hints
 
 TRAINER = {"_target_": "lightning.pytorch.Trainer", "max_steps": 2, "logger": False, "enable_progress_bar": False}
 ADAMW = {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 1.0e-3, "betas": [0.9, 0.95], "_convert_": "all"}
@@ -38,8 +39,8 @@ def test_a_node_that_fails_to_build_names_the_setting(setting, message):
     "setting, message",
     [
         ({"max_steps": "abc"}, "trainer.max_steps must be an integer, got 'abc'."),
-        ({"enable_progress_bar": "maybe"}, "trainer.enable_progress_bar must be true or false, got 'maybe'."),
-        ({"gradient_clip_val": "big"}, "trainer.gradient_clip_val must be a number, got 'big'."),
+        ({"enable_progress_bar": "maybe"}, "trainer.enable_progress_bar must be null, true or false, got 'maybe'."),
+        ({"gradient_clip_val": "big"}, "trainer.gradient_clip_val must be null or a number, got 'big'."),
     ],
 )
 def test_settings_of_the_wrong_type_are_refused_before_building(setting, message):
@@ -59,7 +60,6 @@ def test_good_settings_build_and_pass_the_check():
 @pytest.mark.parametrize(
     "setting, message",
     [
-        ({"lr": "abc"}, "optim.lr must be a number, got 'abc'."),
         ({"lr": -1}, "optim: cannot build 'torch.optim.adamw.AdamW' (Invalid learning rate: -1)."),
         ({"betas": [0.9]}, "optim: cannot build 'torch.optim.adamw.AdamW' (list index out of range)."),
     ],
@@ -72,6 +72,38 @@ def test_a_partial_node_whose_call_fails_names_the_setting(setting, message):
     assert str(err.value) == message
 
 
+def test_a_partial_node_refuses_text_for_a_number_when_built_and_when_called():
+    """``build_node`` checks before it builds; ``call_node`` names the setting for a factory
+    built elsewhere (``lr='abc'`` fails only in AdamW's comparison ``'<=' ... 'str'``)."""
+    with pytest.raises(ConfigError, match=r"^optim.lr must be a number, got 'abc'\.$"):
+        build_node("optim", OmegaConf.create({**ADAMW, "lr": "abc"}))
+    with pytest.raises(ConfigError, match=r"^optim.lr must be a number, got 'abc'\.$"):
+        call_node("optim", partial(torch.optim.AdamW, lr="abc"), params())
+
+
+def test_a_switch_given_as_text_is_refused_before_it_turns_itself_on():
+    """The paged cache would take ``enable_prefix_caching='maybe'`` as true. One of its hints
+    (``kernels: Kernels | None``) names a type only type checkers import; the others are still read."""
+    node = OmegaConf.create({"_target_": "inkfw.cache.paged.PagedKVManager", "_partial_": True, "block_size": 16})
+    assert callable(build_node("kv", node))
+    node.enable_prefix_caching = "maybe"
+    with pytest.raises(ConfigError, match=r"^kv.enable_prefix_caching must be true or false, got 'maybe'\.$"):
+        build_node("kv", node)
+
+
+def test_setting_hints_read_what_they_can_and_the_bases_a_subclass_passes_kwargs_to():
+    class Base:
+        def __init__(self, steps: int = 1, flag: bool = False) -> None: ...
+
+    class Child(Base):
+        def __init__(self, name: str = "x", unknown: NotImported = None, **kwargs) -> None:  # noqa: F821
+            super().__init__(**kwargs)
+
+    hints = setting_hints(Child)
+    assert hints["name"] is str and hints["steps"] is int and hints["flag"] is bool and "unknown" not in hints
+    assert mistyped_setting("g", Child, {"steps": "abc"}) == "g.steps must be an integer, got 'abc'."
+
+
 def test_only_text_where_the_signature_takes_no_text_is_mistyped():
     def target(
         steps: int, ratio: float | None, name: str, either: int | str, flag: bool, mode: Literal["all"] | bool, loose=1
@@ -80,6 +112,6 @@ def test_only_text_where_the_signature_takes_no_text_is_mistyped():
 
     settings = {"name": "x", "either": "x", "loose": "x", "steps": 3, "mode": "all"}
     assert mistyped_setting("g", target, settings) is None
-    assert mistyped_setting("g", target, {"ratio": "x"}) == "g.ratio must be a number, got 'x'."
     assert mistyped_setting("g", target, {"flag": "x"}) == "g.flag must be true or false, got 'x'."
+    assert mistyped_setting("g", target, {"ratio": "x"}) == "g.ratio must be null or a number, got 'x'."
     assert mistyped_setting("g", len, {"obj": "x"}) is None  # no type hints to read

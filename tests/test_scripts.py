@@ -109,10 +109,12 @@ def test_scripts_reject_an_unknown_option_in_one_line(tmp_path, script):
         ("smoke.py", "max_new_tokens=abc", "max_new_tokens must be an integer >= 1, got 'abc'."),
         ("count_ops.py", "repeats=abc", "repeats must be an integer >= 1, got 'abc'."),
         ("train_tokenizer.py", "vocab_size=abc", "vocab_size must be an integer >= 260"),
+        ("smoke.py", "debug=maybe", "debug must be true or false, got 'maybe'."),  # was taken as true
     ],
 )
-def test_text_where_a_number_belongs_is_one_line(tmp_path, script, option, message):
-    """Each of these died in ``int('abc')``'s ValueError traceback; inkfw.options checks them."""
+def test_a_value_of_the_wrong_type_is_one_line(tmp_path, script, option, message):
+    """Each of these died in a traceback (``int('abc')``'s ValueError; ``debug=maybe`` counted as
+    ``debug=true``, which shows tracebacks); inkfw.options checks them."""
     out = run(script, option, cwd=tmp_path)
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().startswith("error: " + message) and len(out.stderr.strip().splitlines()) == 1
@@ -167,3 +169,4 @@ def test_count_params_prints_table(tmp_path, preset, total, active, published):
     line = next(line for line in out.stdout.splitlines() if "published" in line)
     assert f"{total} total / {active} active counted" in line
     assert f"published: {published[0]} total / {published[1]} active" in line
+

@@ -112,6 +112,8 @@ def test_mtp_task_adds_depths(pretrained):
         (["optim.lr=abc"], "optim.lr must be a number, got 'abc'"),  # a partial node: called in fit
         (["trainer.max_steps=abc"], "trainer.max_steps must be an integer"),  # not scheduler.max_steps
         (["data.seq_len=abc"], "data.seq_len must be an integer, got 'abc'"),  # checked before the data is read
+        (["activation_checkpointing=maybe"], "activation_checkpointing must be true or false"),  # bool() took it
+        (["eval.num_prompts=abc"], "eval.num_prompts must be an integer >= 0, got 'abc'"),
     ],
 )
 def test_bad_input_is_one_line(pretrained, args, message):

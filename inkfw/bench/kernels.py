@@ -46,6 +46,7 @@ from inkfw.bench.plan import positive_ints
 from inkfw.cache.interface import EMPTY_POSITION
 from inkfw.errors import ConfigError
 from inkfw.kernels import Kernels, implementation, resolve_backend
+from inkfw.options import bool_option
 from inkfw.profiling import timed_calls
 
 SPAN = 9  # verify span T = k + 1 with k = 8 drafts (the shipped checkpoint's D)
@@ -70,9 +71,7 @@ def kernel_bench_options(cfg: Any, device: torch.device) -> KernelBenchOptions:
     """``kernel_timings``, ``kernel_batch_sizes`` and ``kernel_contexts`` of ``cfg``; a bad one
     raises :class:`ConfigError` (one sentence). When enabled on a CPU, this chooses Triton's
     interpreter before any kernel module is imported."""
-    enabled = cfg.get("kernel_timings", False)
-    if not isinstance(enabled, bool):
-        raise ConfigError(f"kernel_timings must be true or false, got {enabled!r}.")
+    enabled = bool_option(cfg.get("kernel_timings", False), "kernel_timings")
     opts = KernelBenchOptions(
         enabled,
         positive_ints(cfg.get("kernel_batch_sizes", [1]), "kernel_batch_sizes"),

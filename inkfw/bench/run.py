@@ -86,7 +86,7 @@ from inkfw.bench.timing import (
     profile_text,
 )
 from inkfw.errors import ConfigError
-from inkfw.options import int_option
+from inkfw.options import bool_option, int_option
 from inkfw.paths import config_dir
 from inkfw.presets import build_model, model_config, parse_dtype, plain, resolve_device, resolve_path
 from inkfw.profiling import FORWARD_MODES, count_aten_ops, count_host_reads, one_token_forwards, wall_time
@@ -125,6 +125,10 @@ class BenchOptions:
     warmup_tokens: int
     repeats: int
     ignore_eos: bool
+    plot: bool  # the PNGs
+    cache_time: bool  # time the paged cache's reads/writes inside forwards
+    profile: bool  # cProfile each measured run
+    profile_lines: int  # functions per profile listing
     forward_ops: list[str]
     forward_repeats: int
     interleave: str  # INTERLEAVE: runs take turns per prompt set or per batch
@@ -161,9 +165,6 @@ def bench_options(cfg: Any) -> BenchOptions:
         raise ConfigError(
             f"spec.num_tokens is set per run from num_tokens; give num_tokens=[{cfg.spec.num_tokens}] instead."
         )
-    ignore_eos = cfg.ignore_eos
-    if not isinstance(ignore_eos, bool):
-        raise ConfigError(f"ignore_eos must be true or false, got {ignore_eos!r}.")
     return BenchOptions(
         prompt_sets=list(dict.fromkeys(sets)),
         num_prompts=num_prompts,
@@ -176,7 +177,11 @@ def bench_options(cfg: Any) -> BenchOptions:
         prompt_len=int_option(cfg.prompt_len, "prompt_len"),
         warmup_tokens=int_option(cfg.warmup_tokens, "warmup_tokens", 0),
         repeats=int_option(cfg.repeats, "repeats"),
-        ignore_eos=ignore_eos,
+        ignore_eos=bool_option(cfg.ignore_eos, "ignore_eos"),
+        plot=bool_option(cfg.plot, "plot"),
+        cache_time=bool_option(cfg.cache_time, "cache_time"),
+        profile=bool_option(cfg.profile, "profile"),
+        profile_lines=int_option(cfg.profile_lines, "profile_lines"),
         forward_ops=choices(cfg.forward_ops, "forward_ops", FORWARD_MODES, allow_empty=True),
         forward_repeats=int_option(cfg.forward_repeats, "forward_repeats"),
         interleave=_one_of(cfg.interleave, "interleave", INTERLEAVE),
@@ -265,9 +270,9 @@ def case_config(cfg: Any, run: BenchRun, max_model_len: int) -> Any:
     return case
 
 
-def _build_case(cfg: Any, run: BenchRun, model, tokenizer, max_model_len: int, ignore_eos: bool) -> Case:
+def _build_case(cfg: Any, opts: BenchOptions, run: BenchRun, model, tokenizer, max_model_len: int) -> Case:
     engine, _ = build_engine(case_config(cfg, run, max_model_len), model=model, tokenizer=tokenizer)
-    if ignore_eos:  # every request decodes max_new_tokens (HF: eos_token_id=[])
+    if opts.ignore_eos:  # every request decodes max_new_tokens (HF: eos_token_id=[])
         engine.eos_ids = set()
     forwards = PhaseForwardTimer()
     engine.add_observer(forwards)
@@ -275,7 +280,7 @@ def _build_case(cfg: Any, run: BenchRun, model, tokenizer, max_model_len: int, i
     # requests finish at different steps a batch of B shrinks through the buckets below B, and a
     # bucket first met while measuring would time its compiles (minutes on a CPU) as decoding
     engine.warmup(range(1, run.batch_size + 1))
-    return Case(run, engine, forwards, profile=bool(cfg.profile))
+    return Case(run, engine, forwards, profile=opts.profile)
 
 
 def _generate(
@@ -661,7 +666,7 @@ def run_bench(cfg: Any) -> dict[str, Any]:
         warming = progress.add_task("warm-up (compiles, step costs)", total=len(first_runs))
         for run in first_runs.values():
             if run.system == "inkfw":
-                case = _build_case(cfg, run, model, tokenizer, max_model_len, opts.ignore_eos)
+                case = _build_case(cfg, opts, run, model, tokenizer, max_model_len)
                 cases[run.engine_key] = case
                 for prompts in prompt_sets.values() if opts.warmup_tokens else []:
                     warm = batch_requests(prompts[: run.batch_size], run.batch_size)
@@ -689,7 +694,7 @@ def run_bench(cfg: Any) -> dict[str, Any]:
             order = round_order(runs, rep)
             for set_name in prompt_sets:
                 rounds.measure(
-                    rep, opts.repeats, set_name, batches[set_name], order, opts.max_new_tokens, bool(cfg.cache_time)
+                    rep, opts.repeats, set_name, batches[set_name], order, opts.max_new_tokens, opts.cache_time
                 )
     check = rounds.check
 
@@ -742,24 +747,26 @@ def run_bench(cfg: Any) -> dict[str, Any]:
         console.print(kernel_table(kernels))
         if not kernels["greedy_agree"]:
             console.print("[red]kernels: the Triton verify forward's argmax differs from the torch backend's[/red]")
-    if bool(cfg.profile) or bool(cfg.cache_time):
-        console.print(overhead_table([r for r in rows if r["system"] == "inkfw"], bool(cfg.profile)))
+    if opts.profile or opts.cache_time:
+        console.print(overhead_table([r for r in rows if r["system"] == "inkfw"], opts.profile))
     if check is not None and check.ok:
         console.print(f"greedy exactness: {check.compared} runs equal their group's reference token for token")
     for m in check.mismatches if check is not None else []:
         console.print(f"[red]greedy outputs differ: {m.line()}[/red]")
     console.print(f"bench done{elapsed_since(started)}", markup=False, highlight=False)
     if cfg.output_dir:
-        _write_outputs(console, cfg, Path(str(cfg.output_dir)), report, cases)
+        _write_outputs(console, opts, Path(str(cfg.output_dir)), report, cases)
     return report
 
 
-def _write_outputs(console: Console, cfg: Any, out: Path, report: dict[str, Any], cases: dict[tuple, Case]) -> None:
+def _write_outputs(
+    console: Console, opts: BenchOptions, out: Path, report: dict[str, Any], cases: dict[tuple, Case]
+) -> None:
     written = [
         write_json_atomic(out / "bench.json", report, "output_dir"),
         write_text_atomic(out / "bench.md", bench_markdown(report), "output_dir"),
     ]
-    if cfg.plot:
+    if opts.plot:
         inkfw_rows = [r for r in report["results"] if r["system"] == "inkfw"]
         plots = [
             (bench_plot, report, out / "bench.png"),
@@ -775,8 +782,6 @@ def _write_outputs(console: Console, cfg: Any, out: Path, report: dict[str, Any]
     for case in cases.values():
         for set_name, profiler in case.profilers.items():
             path = out / f"profile-{set_name}-{case.run.name.replace(' ', '-')}.txt"
-            text = profile_text(
-                profiler.profiler, rows[(set_name, case.run.name)], int_option(cfg.profile_lines, "profile_lines")
-            )
+            text = profile_text(profiler.profiler, rows[(set_name, case.run.name)], opts.profile_lines)
             written.append(write_text_atomic(path, text, "output_dir"))
     console.print("wrote " + ", ".join(str(p) for p in written), markup=False, highlight=False)

@@ -29,7 +29,7 @@ from rich.table import Table
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from inkfw.errors import ConfigError
-from inkfw.options import int_option, optional_int_option
+from inkfw.options import bool_option, int_option, optional_int_option
 from inkfw.profiling import quiet_profile
 from inkfw.speculative.step import StepFunction
 
@@ -200,12 +200,14 @@ def report_step_profile(cfg: Any) -> dict[str, Any]:
 
     for name in ("steps", "batch_size", "max_new_tokens", "top"):
         int_option(cfg[name], name)
+    by_shape = bool_option(cfg.shapes, "shapes")
+    compiled = bool_option(cfg.engine.compile, "engine.compile")
     threads = optional_int_option(cfg.threads, "threads")
     if threads is not None:
         torch.set_num_threads(threads)
     with open_dict(cfg):
         cfg.engine.max_num_seqs = cfg.batch_size
-    if bool(cfg.engine.compile):  # name inductor's kernels in the profile (set before anything compiles)
+    if compiled:  # name inductor's kernels in the profile (set before anything compiles)
         import torch._inductor.config as inductor_config
 
         inductor_config.cpp.enable_kernel_profile = True
@@ -215,7 +217,7 @@ def report_step_profile(cfg: Any) -> dict[str, Any]:
         cfg.prompt_set, tokenizer, cfg.batch_size, engine.vocab_size, prompt_len=cfg.prompt_len, seed=0
     )
     run = profile_decode_steps(
-        engine, batch_requests(prompts, cfg.batch_size), cfg.steps, cfg.max_new_tokens, by_shape=bool(cfg.shapes)
+        engine, batch_requests(prompts, cfg.batch_size), cfg.steps, cfg.max_new_tokens, by_shape=by_shape
     )
     steps, events = run["steps"], run["events"]
     parts = step_parts(events, run["wall_s"], steps)

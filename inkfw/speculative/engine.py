@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from inkfw.errors import ConfigError
-from inkfw.options import int_option, is_int
+from inkfw.options import bool_option, int_option, is_int, optional_bool_option
 from inkfw.speculative.adaptive import AdaptiveK, fit_step_costs
 from inkfw.speculative.interfaces import (
     Drafter,
@@ -86,11 +86,9 @@ class EngineConfig:
                 f"max_position_embeddings), got {m!r}."
             )
         for name in ("check_drafts", "compile"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"engine.{name} must be true or false, got {getattr(self, name)!r}.")
+            bool_option(getattr(self, name), f"engine.{name}")
         for name in ("cuda_graphs", "pad_batches"):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"engine.{name} must be null, true or false, got {getattr(self, name)!r}.")
+            optional_bool_option(getattr(self, name), f"engine.{name}")
         buckets = tuple(self.batch_buckets) if not isinstance(self.batch_buckets, (str, int)) else ()
         if not buckets or not all(is_int(b) and b >= 1 for b in buckets):
             raise ConfigError(f"engine.batch_buckets must be a list of integers >= 1, got {self.batch_buckets!r}.")

@@ -55,6 +55,7 @@ from inkfw.models.inkling.checkpoint import load_model
 from inkfw.models.inkling.config import InklingConfig
 from inkfw.models.inkling.model import InklingLM
 from inkfw.nodes import build_node
+from inkfw.options import int_option
 from inkfw.presets import build_model, model_config, parse_dtype, plain, resolve_device, resolve_path
 from inkfw.train.data import SplitDataModule
 
@@ -408,6 +409,7 @@ def run_dump_hidden(cfg: Any) -> DumpResult:
         raise ConfigError(
             "data=hidden is what scripts/dump_hidden.py writes; read a text source (data=stdlib|files|hf)."
         )
+    batch_size, shard_size = int_option(cfg.batch_size, "batch_size"), int_option(cfg.shard_size, "shard_size")
     dtype, compute_dtype = parse_dtype(cfg.dtype), parse_dtype(cfg.compute_dtype)
     device = resolve_device(cfg.device)
     node = plain(cfg.model)
@@ -435,8 +437,8 @@ def run_dump_hidden(cfg: Any) -> DumpResult:
         splits,
         cfg.output_dir,
         tokenizer_file=tokenizer,
-        batch_size=int(cfg.batch_size),
-        shard_size=int(cfg.shard_size),
+        batch_size=batch_size,
+        shard_size=shard_size,
         dtype=dtype,
         rank=rank,
         world_size=world,

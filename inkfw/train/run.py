@@ -21,6 +21,7 @@ from inkfw.errors import CheckpointError, ConfigError
 from inkfw.models.inkling.checkpoint import export_checkpoint
 from inkfw.models.inkling.model import InklingLM
 from inkfw.nodes import build_node, check_setting_types
+from inkfw.options import bool_option, int_option
 from inkfw.presets import parse_dtype, resolve_path
 from inkfw.train.module import InklingTrainModule
 from inkfw.train.tasks import TrainTask
@@ -36,7 +37,13 @@ def build_task_model(cfg: Any) -> tuple[TrainTask, InklingLM, Path | None]:
 
 
 def run_train(cfg: Any) -> dict[str, Any]:
-    L.seed_everything(int(cfg.seed), workers=True, verbose=False)
+    eval_cfg = cfg.get("eval") or {}
+    eval_prompts = int_option(eval_cfg.get("num_prompts", 0), "eval.num_prompts", 0)
+    eval_prompt_tokens = int_option(eval_cfg.get("prompt_tokens", 64), "eval.prompt_tokens")
+    eval_max_new_tokens = int_option(eval_cfg.get("max_new_tokens", 32), "eval.max_new_tokens")
+    activation_checkpointing = bool_option(cfg.get("activation_checkpointing", False), "activation_checkpointing")
+    export = bool_option(cfg.export, "export")
+    L.seed_everything(int_option(cfg.seed, "seed", 0), workers=True, verbose=False)
     # a setting given as text where its node's target takes a number fails here, in one line,
     # before anything is built (the scheduler reads trainer.max_steps: the trainer's come first)
     nodes = {group: cfg.get(group) for group in ("trainer", "task", "data", "optim", "scheduler", "logger")}
@@ -61,21 +68,18 @@ def run_train(cfg: Any) -> dict[str, Any]:
         vocab_size=model.cfg.vocab_size,
     )
     data.setup("fit")  # bad data fails here, in one line, before the trainer starts
-    eval_cfg = cfg.get("eval") or {}
     # the first rows only (data=hidden reads rows from disk; its rows also carry hidden states)
-    eval_prompts = [
-        data.val_set[i][0][: int(eval_cfg.get("prompt_tokens", 64))].tolist()
-        for i in range(min(int(eval_cfg.get("num_prompts", 0)), len(data.val_set)))
-    ]
     module = InklingTrainModule(
         model,
         task,
         optimizer=build_node("optim", cfg.optim),
         scheduler=build_node("scheduler", cfg.scheduler) if cfg.get("scheduler") else None,
-        eval_prompts=eval_prompts,
-        eval_max_new_tokens=int(eval_cfg.get("max_new_tokens", 32)),
+        eval_prompts=[
+            data.val_set[i][0][:eval_prompt_tokens].tolist() for i in range(min(eval_prompts, len(data.val_set)))
+        ],
+        eval_max_new_tokens=eval_max_new_tokens,
         train_config=train_config,
-        activation_checkpointing=bool(cfg.get("activation_checkpointing", False)),
+        activation_checkpointing=activation_checkpointing,
     )
     module.configure_optimizers()  # optimizer and scheduler settings out of range fail here, in one line
     logger = build_node("logger", cfg.logger) if cfg.get("logger") else False
@@ -85,7 +89,7 @@ def run_train(cfg: Any) -> dict[str, Any]:
     trainer: L.Trainer = build_node("trainer", cfg.trainer, logger=logger, callbacks=callbacks)
     trainer.fit(module, datamodule=data, ckpt_path=cfg.ckpt_path)
     result: dict[str, Any] = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v)}
-    if trainer.is_global_zero and cfg.export:
+    if trainer.is_global_zero and export:
         path = export_checkpoint(
             model.eval(),
             Path(cfg.output_dir).expanduser() / "export",
@@ -125,6 +129,7 @@ def run_export(cfg: Any) -> Path:
     """
     if not cfg.ckpt_path:
         raise ConfigError("export needs ckpt_path=PATH (a Lightning .ckpt written by scripts/train.py).")
+    mtp_file = bool_option(cfg.get("mtp_file", False), "mtp_file")
     ckpt_file = Path(cfg.ckpt_path).expanduser()
     train_cfg, model_state = read_training_checkpoint(ckpt_file)
     _, model, ckpt_tokenizer = build_task_model(train_cfg)
@@ -142,7 +147,7 @@ def run_export(cfg: Any) -> Path:
         out,
         tokenizer_json=resolve_path(tokenizer) if tokenizer else None,
         dtype=parse_dtype(dtype),
-        mtp_file=bool(cfg.get("mtp_file") or False),
+        mtp_file=mtp_file,
     )
     print(f"exported {model.num_mtp_depths} MTP depth(s) from {ckpt_file} to {path}")
     return path
