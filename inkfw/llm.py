@@ -40,8 +40,9 @@ import torch
 from omegaconf import DictConfig
 
 from inkfw.errors import ConfigError
+from inkfw.options import int_option
 from inkfw.paths import config_dir
-from inkfw.presets import plain
+from inkfw.prompts import stop_strings
 from inkfw.speculative.engine import Engine, Request
 from inkfw.speculative.factory import build_engine, serving_config
 from inkfw.speculative.sampling import SamplingParams
@@ -233,24 +234,34 @@ def options_to_overrides(model: str | Path | None = None, **options: Any) -> lis
     return overrides
 
 
+def request_defaults(config: Any) -> tuple[int, list[str]]:
+    """(max_tokens, stop strings) of requests that give none: the config's ``max_new_tokens``
+    (default 64) and ``stop``, checked (one sentence for a bad one)."""
+    return int_option(config.get("max_new_tokens", 64), "max_new_tokens"), stop_strings(config.get("stop"))
+
+
 # ----------------------------------------------------------------------------- the API
 class LLM:
     """A speculative engine behind a small ``generate`` / ``stream`` API (module docstring)."""
 
+    default_max_tokens: int  # max_tokens of requests that give none (the config's max_new_tokens)
+    default_stop: list[str]  # stop strings of requests that give none (the config's stop)
+
     def __init__(self, model: str | Path | None = None, *, overrides: Sequence[str] = (), **options: Any):
         self.config: DictConfig = serving_config(options_to_overrides(model, **options) + list(overrides))
+        self.default_max_tokens, self.default_stop = request_defaults(self.config)
+        seed = int_option(self.config.get("seed", 0), "seed", 0)
         self.engine, self.tokenizer = build_engine(self.config)
         if self.engine.adaptive is not None:  # k is chosen by measured step costs (compiles stay lazy)
             self.warmup()
-        seed = self.config.get("seed", 0)
-        if isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0:
-            torch.manual_seed(seed)
+        torch.manual_seed(seed)
 
     @classmethod
     def from_engine(cls, engine: Engine, tokenizer=None, config: DictConfig | None = None) -> LLM:
         """An ``LLM`` around an engine built elsewhere (e.g. by ``scripts/serve.py``)."""
         llm = cls.__new__(cls)
         llm.config = config if config is not None else serving_config()
+        llm.default_max_tokens, llm.default_stop = request_defaults(llm.config)
         llm.engine, llm.tokenizer = engine, tokenizer
         return llm
 
@@ -285,18 +296,6 @@ class LLM:
     @property
     def default_sampling(self) -> SamplingParams:
         return self.engine.sampler.defaults
-
-    @property
-    def default_max_tokens(self) -> int:
-        value = self.config.get("max_new_tokens", 64)
-        return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else 64
-
-    @property
-    def default_stop(self) -> list[str]:
-        value = plain(self.config.get("stop"))
-        if isinstance(value, str):
-            return [value] if value else []
-        return [s for s in value or [] if isinstance(s, str) and s]
 
     # ------------------------------------------------------------------ requests
     def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:

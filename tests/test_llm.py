@@ -56,6 +56,11 @@ def test_bad_options_are_one_sentence_config_errors():
         LLM(model="inkling-debug", no_such_option=3)
     with pytest.raises(ConfigError, match="drafter"):
         LLM(model="inkling-debug", drafter="bogus")
+    # were taken silently: max_tokens fell back to 64, a bad stop list dropped its bad items
+    with pytest.raises(ConfigError, match=r"^max_new_tokens must be an integer >= 1, got 'abc'\.$"):
+        LLM(model="inkling-debug", max_new_tokens="abc")
+    with pytest.raises(ConfigError, match=r"^stop must be a list of non-empty strings"):
+        LLM(model="inkling-debug", stop=["", 3])
 
 
 def test_greedy_generate_equals_plain_decoding_and_keeps_order(llm, plain_llm):

@@ -18,6 +18,7 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from helpers.cuda_graphs import RecordedCudaGraphs
+from inkfw.errors import ConfigError
 from inkfw.llm import LLM, SamplingParams
 from inkfw.server.app import create_app
 from inkfw.server.chat import plain_chat_prompt
@@ -421,3 +422,17 @@ def test_concurrent_streams_served_from_cuda_graphs_are_exact(monkeypatch, refer
             reference[prompt, n].token_ids,
         )
     assert graphs.replays > 0 and captured.engine.kv.is_whole()
+
+
+def test_a_bad_default_request_option_stops_serve_before_the_model_loads(monkeypatch):
+    """``scripts/serve.py max_new_tokens=abc`` served, and every request without max_tokens then
+    got 64 tokens; now it is one sentence before anything is built."""
+    from inkfw.server import run as server_run
+    from inkfw.speculative.factory import serving_config
+
+    def never(*_, **__):
+        raise AssertionError("the engine was built")
+
+    monkeypatch.setattr(server_run, "build_engine", never)
+    with pytest.raises(ConfigError, match=r"^max_new_tokens must be an integer >= 1, got 'abc'\.$"):
+        server_run.run_server(serving_config(["model=inkling-debug", "max_new_tokens=abc"]))

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from inkfw.errors import ConfigError
-from inkfw.llm import LLM
+from inkfw.llm import LLM, request_defaults
 from inkfw.speculative.factory import build_engine
 
 
@@ -55,6 +55,7 @@ def run_server(cfg: Any) -> None:
     from inkfw.server.app import create_app
 
     opts = server_options(cfg)
+    request_defaults(cfg)  # a bad max_new_tokens or stop fails before the model loads
     engine, tokenizer = build_engine(cfg)
     llm = LLM.from_engine(engine, tokenizer, cfg)
     if engine.warmup_work:  # before listening: no request pays for compiles, nor for k chosen unmeasured
