@@ -16,6 +16,7 @@ from inkfw.train.data import (
     pack,
     read_documents,
     read_hf_documents,
+    source_list,
     split_documents,
     stdlib_files,
 )
@@ -61,6 +62,19 @@ def test_read_sources(tmp_path):
     (tmp_path / "bad.jsonl").write_text("{not json}\n")
     with pytest.raises(ConfigError, match="line 1"):
         read_documents([str(tmp_path / "bad.jsonl")])
+
+
+def test_one_source_given_alone_is_a_list_of_one(tmp_path):
+    """``data.sources=stdlib`` was read as the sources s, t, d, l, i, b ("data: source s does not exist")."""
+    assert source_list("stdlib", "data.sources") == ["stdlib"]
+    assert source_list(tmp_path, "data.sources") == [str(tmp_path)]
+    assert source_list(["stdlib", str(tmp_path)], "data.sources") == ["stdlib", str(tmp_path)]
+    assert TextDataModule("stdlib").sources == ["stdlib"]
+    for bad in (3, ["stdlib", 3]):
+        with pytest.raises(ConfigError, match=r"^sources must be a list of files, folders, .jsonl files or 'stdlib'"):
+            source_list(bad, "sources")
+    with pytest.raises(ConfigError, match=r"^data.max_documents must be null or an integer >= 1, got -1\.$"):
+        TextDataModule(["stdlib"], max_documents=-1)
 
 
 def test_jsonl_token_ids_are_documents_without_a_tokenizer(tmp_path):

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from inkfw.checkpoint import read_tokenizer
 from inkfw.errors import ConfigError
-from inkfw.options import int_option, is_number
+from inkfw.options import int_option, is_number, optional_int_option
 
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".jsonl", ".json", ".c", ".h", ".cfg", ".toml", ".yaml", ".yml"}
 STDLIB = "stdlib"
@@ -93,6 +93,17 @@ def _jsonl_documents(path: Path) -> Iterable[Document]:
                 f'or a list of token ids "token_ids".'
             )
         yield Document(f"{path}:{i}", row["text"])
+
+
+def source_list(value: Any, what: str) -> list[str]:
+    """The ``sources`` option ``what`` as a list; one source given alone (``data.sources=stdlib``)
+    counts as a list of one, not as a list of its characters."""
+    value = list(value) if isinstance(value, Iterable) and not isinstance(value, (str, Path)) else value
+    if isinstance(value, (str, Path)):
+        return [str(value)]
+    if isinstance(value, list) and all(isinstance(s, (str, Path)) for s in value):
+        return [str(s) for s in value]
+    raise ConfigError(f"{what} must be a list of files, folders, .jsonl files or 'stdlib', got {value!r}.")
 
 
 def read_documents(sources: Sequence[str]) -> list[Document]:
@@ -357,10 +368,11 @@ class TextDataModule(SplitDataModule):
         num_workers: int = 0,
     ):
         super().__init__()
-        self.sources, self.tokenizer_path = list(sources), tokenizer
+        self.sources, self.tokenizer_path = source_list(sources, "data.sources"), tokenizer
         self.set_loading(batch_size, seed, num_workers)
         self.seq_len, self.val_fraction = seq_len, val_fraction
-        self.eos_id, self.vocab_size, self.max_documents = eos_id, vocab_size, max_documents
+        self.eos_id, self.vocab_size = eos_id, vocab_size
+        self.max_documents = optional_int_option(max_documents, "data.max_documents")
         self.train_set = self.val_set = None
         self.val_documents: list[Document] = []
 
@@ -452,7 +464,7 @@ def heldout_prompts(
 def write_heldout_prompts(cfg) -> Path:
     """``scripts/heldout_prompts.py``: held-out prompts as JSON lines, from ``inkfw/conf/heldout_prompts.yaml``."""
     rows = heldout_prompts(
-        list(cfg.sources),
+        source_list(cfg.sources, "sources"),
         cfg.val_fraction,
         int_option(cfg.seed, "seed", 0),
         int_option(cfg.num_prompts, "num_prompts"),

@@ -10,8 +10,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from inkfw.errors import ConfigError
-from inkfw.options import is_int
-from inkfw.train.data import read_documents
+from inkfw.options import is_int, optional_int_option
+from inkfw.train.data import read_documents, source_list
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]
 
@@ -38,6 +38,10 @@ def train_tokenizer(sources: list[str], vocab_size: int, out: str | Path, max_do
 
 def run_train_tokenizer(cfg) -> Path:
     """``scripts/train_tokenizer.py``: train and save, from ``inkfw/conf/train_tokenizer.yaml``."""
-    out = train_tokenizer(list(cfg.sources), cfg.vocab_size, cfg.out, cfg.max_documents)
+    sources, max_documents = (
+        source_list(cfg.sources, "sources"),
+        optional_int_option(cfg.max_documents, "max_documents"),
+    )
+    out = train_tokenizer(sources, cfg.vocab_size, cfg.out, max_documents)
     print(f"wrote {out}")
     return out
