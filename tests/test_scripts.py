@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -170,3 +171,28 @@ def test_count_params_prints_table(tmp_path, preset, total, active, published):
     assert f"{total} total / {active} active counted" in line
     assert f"published: {published[0]} total / {published[1]} active" in line
 
+
+def test_every_program_help_names_each_of_its_options():
+    """``--help`` is the header and footer of each program's config (``hydra.help``): every
+    top-level option the config introduces appears there as ``name=`` or ``name.``. A preset
+    of another program's config (``bench_gpu`` of ``bench``) introduces none of its own."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from inkfw.paths import config_dir
+
+    conf = config_dir()
+    programs = {p.stem: yaml.safe_load(p.read_text()) or {} for p in sorted(conf.glob("*.yaml"))}
+    unnamed = {}
+    with initialize_config_dir(str(conf), version_base="1.3"):
+        for name, node in programs.items():
+            parents = [d for d in node.get("defaults", []) if isinstance(d, str) and d in programs]
+            inherited = {key for parent in parents for key in programs[parent]}
+            options = [k for k in node if k not in ("hydra", "defaults") and k not in inherited]
+            help_node = OmegaConf.to_container(compose(name, return_hydra_config=True).hydra.help, resolve=False)
+            text = f"{help_node['header']}\n{help_node['footer']}"
+            assert "powered by Hydra" not in text, name
+            missing = [k for k in options if not re.search(rf"(?<![\w.]){re.escape(k)}[=.]", text)]
+            if missing:
+                unnamed[name] = missing
+    assert not unnamed, f"options missing from --help: {unnamed}"
