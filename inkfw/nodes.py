@@ -7,14 +7,16 @@ through :func:`build_node`, and call the ``_partial_`` ones (the optimizer, the 
 
 from __future__ import annotations
 
+import re
 import types
 import typing
 from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
+from omegaconf import OmegaConf
 
 from inkfw.cli_args import one_line
 from inkfw.errors import ConfigError, InkfwError
@@ -64,20 +66,30 @@ def check_setting_types(group: str, node: Any) -> None:
 
 def mistyped_node_setting(group: str, node: Any) -> str | None:
     """:func:`mistyped_setting` for a config node and its ``_target_``; None where the target does
-    not import (building it says so) or the node does not resolve."""
+    not import (building it says so) or the node does not resolve. A setting that only points
+    at another option (``beta: ${loss.beta}``) is named by that option, the one the user sets."""
     target = node.get("_target_") if hasattr(node, "get") else None
     try:
         settings = {k: v for k, v in node.items() if not str(k).startswith("_")}
-        return mistyped_setting(group, get_object(target), settings) if isinstance(target, str) else None
+        raw = OmegaConf.to_container(node, resolve=False) if OmegaConf.is_config(node) else {}
+        names = {
+            str(k): match.group(1)
+            for k, v in cast(dict, raw).items()
+            if isinstance(v, str) and (match := re.fullmatch(r"\$\{([\w.]+)\}", v))
+        }
+        return mistyped_setting(group, get_object(target), settings, names) if isinstance(target, str) else None
     except Exception:
         return None
 
 
-def mistyped_setting(group: str, target: Any, settings: Mapping[str, Any]) -> str | None:
+def mistyped_setting(
+    group: str, target: Any, settings: Mapping[str, Any], names: Mapping[str, str] | None = None
+) -> str | None:
     """The first setting given as text where the target's signature takes only numbers or
     booleans (``trainer.max_steps=abc``, whose own error reads ``'<' not supported between
     instances of 'str' and 'int'``), as one sentence; None when there is none or the target's
-    type hints cannot be read."""
+    type hints cannot be read. ``names``: the option to name for a setting (default
+    ``group.setting``)."""
     hints = setting_hints(target)
     for key, value in settings.items():
         hint = hints.get(str(key))
@@ -93,7 +105,8 @@ def mistyped_setting(group: str, target: Any, settings: Mapping[str, Any]) -> st
         kind = "a number" if float in accepted else "an integer" if int in accepted else "true or false"
         if type(None) in accepted:  # the messages of inkfw.options' optional_* checks
             kind = "null, true or false" if kind == "true or false" else f"null or {kind}"
-        return f"{group}.{key} must be {kind}, got {value!r}."
+        name = (names or {}).get(str(key), f"{group}.{key}")
+        return f"{name} must be {kind}, got {value!r}."
     return None
 
 

@@ -49,6 +49,13 @@ def test_settings_of_the_wrong_type_are_refused_before_building(setting, message
         check_setting_types("trainer", OmegaConf.create({**TRAINER, **setting}))
 
 
+def test_a_setting_that_points_at_another_option_is_named_by_that_option():
+    """``task.beta: ${loss.beta}``: the user wrote ``loss.beta=abc``, so the error names loss.beta."""
+    cfg = OmegaConf.create({"steps": "abc", "trainer": {**TRAINER, "max_steps": "${steps}"}})
+    with pytest.raises(ConfigError, match=r"^steps must be an integer, got 'abc'\.$"):
+        check_setting_types("trainer", cfg.trainer)
+
+
 def test_good_settings_build_and_pass_the_check():
     node = OmegaConf.create(TRAINER)
     check_setting_types("trainer", node)
