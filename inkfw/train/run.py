@@ -38,7 +38,7 @@ def build_task_model(cfg: Any) -> tuple[TrainTask, InklingLM, Path | None]:
 
 def run_train(cfg: Any) -> dict[str, Any]:
     eval_cfg = cfg.get("eval") or {}
-    eval_prompts = int_option(eval_cfg.get("num_prompts", 0), "eval.num_prompts", 0)
+    eval_num_prompts = int_option(eval_cfg.get("num_prompts", 0), "eval.num_prompts", 0)
     eval_prompt_tokens = int_option(eval_cfg.get("prompt_tokens", 64), "eval.prompt_tokens")
     eval_max_new_tokens = int_option(eval_cfg.get("max_new_tokens", 32), "eval.max_new_tokens")
     activation_checkpointing = bool_option(cfg.get("activation_checkpointing", False), "activation_checkpointing")
@@ -69,14 +69,15 @@ def run_train(cfg: Any) -> dict[str, Any]:
     )
     data.setup("fit")  # bad data fails here, in one line, before the trainer starts
     # the first rows only (data=hidden reads rows from disk; its rows also carry hidden states)
+    eval_prompts = [
+        data.val_set[i][0][:eval_prompt_tokens].tolist() for i in range(min(eval_num_prompts, len(data.val_set)))
+    ]
     module = InklingTrainModule(
         model,
         task,
         optimizer=build_node("optim", cfg.optim),
         scheduler=build_node("scheduler", cfg.scheduler) if cfg.get("scheduler") else None,
-        eval_prompts=[
-            data.val_set[i][0][:eval_prompt_tokens].tolist() for i in range(min(eval_prompts, len(data.val_set)))
-        ],
+        eval_prompts=eval_prompts,
         eval_max_new_tokens=eval_max_new_tokens,
         train_config=train_config,
         activation_checkpointing=activation_checkpointing,

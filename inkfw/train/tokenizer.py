@@ -38,10 +38,8 @@ def train_tokenizer(sources: list[str], vocab_size: int, out: str | Path, max_do
 
 def run_train_tokenizer(cfg) -> Path:
     """``scripts/train_tokenizer.py``: train and save, from ``inkfw/conf/train_tokenizer.yaml``."""
-    sources, max_documents = (
-        source_list(cfg.sources, "sources"),
-        optional_int_option(cfg.max_documents, "max_documents"),
-    )
+    sources = source_list(cfg.sources, "sources")
+    max_documents = optional_int_option(cfg.max_documents, "max_documents")
     out = train_tokenizer(sources, cfg.vocab_size, cfg.out, max_documents)
     print(f"wrote {out}")
     return out
