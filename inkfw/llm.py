@@ -346,10 +346,8 @@ class LLM:
         """Queue ``prompts`` on the engine; all or none (bad input raises ConfigError)."""
         items = self._normalise(prompts)
         params = self._params(sampling_params, len(items))
-        max_tokens = self.default_max_tokens if max_tokens is None else max_tokens
-        stop_list = self.default_stop if stop is None else ([stop] if isinstance(stop, str) else list(stop))
-        if not all(isinstance(s, str) and s for s in stop_list):
-            raise ConfigError(f"stop must be a list of non-empty strings, got {stop_list!r}.")
+        max_tokens = self.default_max_tokens if max_tokens is None else int_option(max_tokens, "max_tokens")
+        stop_list = self.default_stop if stop is None else stop_strings(stop)
         if stop_list and self.tokenizer is None:
             raise ConfigError("stop strings need a tokenizer, but the model has no tokenizer.json.")
         encoded = [self.encode(p) for p in items]

@@ -52,7 +52,7 @@ def test_llm_config_is_the_cli_config(llm):
 
 
 def test_bad_options_are_one_sentence_config_errors():
-    with pytest.raises(ConfigError, match="no_such_option"):
+    with pytest.raises(ConfigError, match=r"\(unknown option 'no_such_option'; to add a new key write"):
         LLM(model="inkling-debug", no_such_option=3)
     with pytest.raises(ConfigError, match="drafter"):
         LLM(model="inkling-debug", drafter="bogus")
@@ -133,6 +133,11 @@ def test_a_bad_prompt_queues_nothing(llm):
         llm.generate([PROMPTS[0], [5] * (llm.max_model_len + 1)], max_tokens=4)
     with pytest.raises(ConfigError, match="empty"):
         llm.generate([PROMPTS[0], ""], max_tokens=4)
+    # named as the caller wrote it (the engine's own check says max_new_tokens)
+    with pytest.raises(ConfigError, match=r"^max_tokens must be an integer >= 1, got 'x'\.$"):
+        llm.generate(PROMPTS[0], max_tokens="x")
+    with pytest.raises(ConfigError, match=r"^stop must be a list of non-empty strings, got \[3\]\.$"):
+        llm.generate(PROMPTS[0], max_tokens=4, stop=[3])
     assert not llm.engine.has_unfinished() and llm.engine.kv.is_whole()
 
 

@@ -41,6 +41,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 
 from inkfw.checkpoint import read_tokenizer
+from inkfw.cli_args import one_line
 from inkfw.errors import ConfigError
 from inkfw.kernels import Kernels, prepare_backend
 from inkfw.nodes import build_node
@@ -77,8 +78,8 @@ def serving_config(overrides: Sequence[str] | None = None) -> DictConfig:
         with _own_global_hydra(), initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
             return compose(SERVING_CONFIG, overrides=overrides)
     except HydraException as exc:
-        first = str(exc).strip().splitlines()[0].rstrip(".") if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"cannot compose the serving config with {overrides} ({first}).") from exc
+        detail = one_line(exc).rstrip(".")  # an unknown key: "unknown option 'x'; to add a new key write +x=1"
+        raise ConfigError(f"cannot compose the serving config with {overrides} ({detail}).") from exc
 
 
 def _get(cfg: Any, dotted: str, default: Any = None) -> Any:
