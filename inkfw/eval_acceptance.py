@@ -147,7 +147,7 @@ def run_eval_acceptance(cfg: Any) -> dict[str, Any]:
     seed = int_option(cfg.get("seed", 0), "seed", 0)
     warmup = bool_option(cfg.get("warmup", True), "warmup")
     baseline = bool_option(cfg.get("baseline", True), "baseline")
-    bool_option((cfg.get("wandb") or {}).get("offline", True), "wandb.offline")
+    offline = bool_option((cfg.get("wandb") or {}).get("offline", True), "wandb.offline")
     threads = optional_int_option(cfg.get("threads"), "threads")
     if threads is not None:
         torch.set_num_threads(threads)
@@ -209,7 +209,7 @@ def run_eval_acceptance(cfg: Any) -> dict[str, Any]:
     plotted = acceptance_plot(result, png_path)
     console.print(f"wrote {json_path}" + (f" and {png_path}" if plotted else ""), markup=False, highlight=False)
     if report_to == "wandb":
-        result["wandb_dir"] = log_to_wandb(cfg, result, png_path if plotted else None, out_dir)
+        result["wandb_dir"] = log_to_wandb(cfg, result, png_path if plotted else None, out_dir, offline)
     return result
 
 
@@ -277,10 +277,10 @@ def acceptance_plot(result: dict[str, Any], path: Path) -> bool:
     return True
 
 
-def log_to_wandb(cfg: Any, result: dict[str, Any], png: Path | None, out_dir: Path) -> str:
+def log_to_wandb(cfg: Any, result: dict[str, Any], png: Path | None, out_dir: Path, offline: bool = True) -> str:
     """Log the per-position table, the plot and each run's mean acceptance length to W&B
-    (``wandb.offline``: no network, the run lands in ``<output_dir>/wandb/offline-run-*``);
-    returns the run's folder."""
+    (``offline``, checked from ``wandb.offline``: no network, the run lands in
+    ``<output_dir>/wandb/offline-run-*``); returns the run's folder."""
     import wandb
 
     opts = cfg.get("wandb") or {}
@@ -289,7 +289,7 @@ def log_to_wandb(cfg: Any, result: dict[str, Any], png: Path | None, out_dir: Pa
         project=str(opts.get("project") or "inkfw"),
         name=opts.get("name") or f"acceptance-{result['prompts']}",
         dir=str(out_dir),
-        mode="offline" if opts.get("offline", True) else "online",
+        mode="offline" if offline else "online",
         config=cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True)) if isinstance(cfg, DictConfig) else None,
         job_type="eval_acceptance",
     )

@@ -1,6 +1,6 @@
-"""Checks of a program's numeric options (Hydra settings): a value of the wrong type or out of
-range is one :class:`~inkfw.errors.ConfigError` sentence naming the option, never a traceback
-from ``int('abc')`` further on."""
+"""Checks of a program's integer and true/false options (Hydra settings): a value of the wrong
+type or out of range is one :class:`~inkfw.errors.ConfigError` sentence naming the option, never
+a traceback from ``int('abc')`` further on, nor a switch that ``bool('maybe')`` turns on."""
 
 from __future__ import annotations
 
